@@ -1,0 +1,1 @@
+"""Kafka broker protocol shim (not built yet: see issue 5)."""

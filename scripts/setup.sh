@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates .venv and installs what Scroll needs: Python packages, plus the system tools the tests and
+# `scroll standalone` use (an etcd server, kcat, a JDK for Spark) when they are missing.
+# Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.scroll-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
+need=()
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v kcat >/dev/null 2>&1 || need+=(kcat)
+command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${need[@]}" >/dev/null
+fi

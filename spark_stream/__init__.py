@@ -1,0 +1,1 @@
+"""PySpark data source for Scroll streams (not built yet: see issue 6)."""

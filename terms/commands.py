@@ -1,0 +1,117 @@
+"""What the protocol core asks its driver to do (imperatives), plus the writer's configuration.
+
+A driver executes commands (gRPC calls, metadata CAS, resolving callers' futures) and feeds the
+answers back as events from ``terms.messages``. Every send carries a ``send_id`` the driver echoes in
+the answer, so the writer can tell an answer to an old send from one to a new send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fragments.model import Fragment, LedgerMeta
+
+from .messages import AddRequest, FenceRequest, LacWriteRequest, RecoveryReadRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SendAdd:
+    bookie: str
+    request: AddRequest
+    send_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendFence:
+    bookie: str
+    request: FenceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SendRecoveryRead:
+    bookie: str
+    request: RecoveryReadRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SendLacWrite:
+    bookie: str
+    request: LacWriteRequest
+
+
+@dataclass(frozen=True, slots=True)
+class CasLedger:
+    """Atomically: if the ledger record is still at ``expected_version``, put ``ledger`` and every
+    fragment record in ``fragments``. Answer with CasOk(new_version) or CasConflict."""
+
+    expected_version: int
+    ledger: LedgerMeta
+    fragments: tuple[Fragment, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Acknowledge:
+    """Every appended entry with id <= last_entry_id is acknowledged (reached AQ, in order)."""
+
+    last_entry_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """The take-over finished: the ledger is OPEN in our term and appends start at next_entry_id."""
+
+    term: int
+    next_entry_id: int
+    truncate_entry_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """We lost the ledger (a higher term exists) or cannot go on: every unacknowledged append fails."""
+
+    reason: str
+    stale_term: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """The take-over could not finish; it is safe to try again with a new take-over."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    last_entry_id: int
+
+
+Command = (
+    SendAdd | SendFence | SendRecoveryRead | SendLacWrite | CasLedger | Acknowledge | Opened | Withdraw | Aborted | Closed
+)
+
+
+@dataclass(frozen=True, slots=True)
+class UnsafeSwitches:
+    """Test-only switches that break the protocol on purpose, so the simulator can prove that its
+    invariant checker catches each mistake. Never set in production code."""
+
+    skip_truncate: bool = False  # no truncate no-op at the end of recovery
+    recovery_writes_at_ack_quorum: bool = False  # recovery write-backs finish at AQ, not WQ
+    skip_fencing: bool = False  # no fence requests, and recovery reads that do not raise the term
+
+    @property
+    def any(self) -> bool:
+        return self.skip_truncate or self.recovery_writes_at_ack_quorum or self.skip_fencing
+
+
+@dataclass(frozen=True, slots=True)
+class WriterConfig:
+    max_inflight_entries: int = 10_000  # appended but not yet fully replicated
+    max_inflight_bytes: int = 64 * 1024 * 1024
+    lac_push_idle_s: float = 0.005  # push the LAC explicitly after this long without a send
+    unsafe: UnsafeSwitches = field(default_factory=UnsafeSwitches)
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_entries < 1 or self.max_inflight_bytes < 1:
+            raise ValueError("in-flight limits must be positive")
