@@ -110,8 +110,9 @@ class WriterConfig:
     max_inflight_entries: int = 10_000  # appended but not yet fully replicated
     max_inflight_bytes: int = 64 * 1024 * 1024
     lac_push_idle_s: float = 0.005  # push the LAC explicitly after this long without a send
+    recovery_read_window: int = 16  # recovery reads in flight at once
     unsafe: UnsafeSwitches = field(default_factory=UnsafeSwitches)
 
     def __post_init__(self) -> None:
-        if self.max_inflight_entries < 1 or self.max_inflight_bytes < 1:
+        if self.max_inflight_entries < 1 or self.max_inflight_bytes < 1 or self.recovery_read_window < 1:
             raise ValueError("in-flight limits must be positive")

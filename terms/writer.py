@@ -7,9 +7,9 @@ stream may be written by any client over its life but by one at a time:
 1. CAS the ledger record to ``term + 1`` / IN_RECOVERY (a lost CAS means someone else acts: abort).
 2. Fence the last fragment's ensemble with the new term until ``E - AQ + 1`` answered. The highest
    LAC and LAFR seen are frozen for the rest of recovery.
-3. Read entries one at a time from LAFR + 1 on the write set of the recovery ensemble (the last
-   fragment as it was when recovery started), carrying the new term. One current copy means the
-   entry exists: write it back. ``WQ - AQ + 1`` misses make it the truncate point. Anything else:
+3. Read entries from LAFR + 1 (a bounded window in flight, decided in id order) on the write set of
+   the recovery ensemble (the last fragment as it was when recovery started), carrying the new
+   term. A current copy means the entry exists: write back the copy with the highest stamp. ``WQ - AQ + 1`` misses make it the truncate point. Anything else:
    abort. A copy written in a term older than the "floor" counts as a miss: it is a leftover of an
    earlier term. The floor starts at the term that created the fragment and rises to the creating
    term of any no-op read on the way (an earlier take-over truncated there, perhaps not everywhere).
@@ -122,7 +122,7 @@ class _Pending:
 class _Read:
     entry_id: int
     targets: tuple[str, ...]
-    answers: dict[str, str] = field(default_factory=dict)  # bookie -> ok | missing | failed
+    answers: dict[str, object] = field(default_factory=dict)  # bookie -> (stamp, data) | "missing" | "failed"
 
 
 class LedgerWriter:
@@ -168,7 +168,8 @@ class LedgerWriter:
         self.fenced: set[str] = set()
         self.fence_failed: set[str] = set()
         self.frozen_lac = -1
-        self.read: _Read | None = None
+        self.reads: dict[int, _Read] = {}  # recovery reads in flight, by entry id
+        self.next_decide = self.next_read = 0
         self.read_floor = last_fragment.created_term  # copies older than this are leftovers
         self.truncate_entry_id: int | None = None
         self.open_entry_id: int | None = None  # first id appended by this term
@@ -284,42 +285,64 @@ class LedgerWriter:
             "ledger=%s term=%s recovery reads from %s (frozen lac=%s lafr=%s)",
             self.ledger.ledger_id, self.term, self.lafr + 1, self.lac, self.lafr,
         )
-        self._send_read(self.lafr + 1)
+        self.next_decide = self.next_read = self.lafr + 1
+        self._send_reads()
 
-    def _send_read(self, entry_id: int) -> None:
-        targets = write_set(entry_id, self.recovery_fragment.ensemble, self.wq)
-        self.read = _Read(entry_id, targets)
-        req = RecoveryReadRequest(self.ledger.ledger_id, entry_id, self.term)
-        if self.config.unsafe.skip_fencing:
-            # Recovery reads carry the new term, so they fence the write sets they touch: the unsafe
-            # "skip fencing" switch turns off both halves, fence requests and term-raising reads.
-            req = ReadRequest(self.ledger.ledger_id, entry_id)  # type: ignore[assignment]
-        for b in targets:
-            self._out.append(SendRecoveryRead(b, req))
+    def _send_reads(self) -> None:
+        """Keep a bounded window of recovery reads in flight (decisions are still made in id order;
+        reads past the truncate point are simply discarded)."""
+        while self.truncate_entry_id is None and self.next_read < self.next_decide + self.config.recovery_read_window:
+            entry_id = self.next_read
+            self.next_read += 1
+            targets = write_set(entry_id, self.recovery_fragment.ensemble, self.wq)
+            self.reads[entry_id] = _Read(entry_id, targets)
+            req = RecoveryReadRequest(self.ledger.ledger_id, entry_id, self.term)
+            if self.config.unsafe.skip_fencing:
+                # Recovery reads carry the new term, so they fence the write sets they touch: the unsafe
+                # "skip fencing" switch turns off both halves, fence requests and term-raising reads.
+                req = ReadRequest(self.ledger.ledger_id, entry_id)  # type: ignore[assignment]
+            for b in targets:
+                self._out.append(SendRecoveryRead(b, req))
 
     def _on_read_answer(self, ev: ReadOk | ReadMissing | ReadFailed) -> None:
-        rd = self.read
-        if ev.term != self.term or rd is None or ev.entry_id != rd.entry_id or ev.bookie not in rd.targets:
+        rd = self.reads.get(ev.entry_id)
+        if ev.term != self.term or rd is None or ev.bookie not in rd.targets or self.phase is not Phase.RECOVERING:
             return
-        if isinstance(ev, ReadOk) and ev.entry_term >= self.read_floor:
-            self.read = None
-            if entry_codec.is_noop(ev.data):
-                self.read_floor = max(self.read_floor, entry_codec.noop_term(ev.data))
-            self._recovered(ev.entry_id, ev.data)
-            return
-        rd.answers[ev.bookie] = "failed" if isinstance(ev, ReadFailed) else "missing"
-        misses = sum(1 for a in rd.answers.values() if a == "missing")
-        if misses >= coverage(self.wq, self.aq):
-            self.read = None
-            self._truncate_at(rd.entry_id)
-        elif len(rd.answers) == len(rd.targets):
-            self._abort(f"recovery read of entry {rd.entry_id} inconclusive: {rd.answers}")
+        if isinstance(ev, ReadOk):
+            rd.answers[ev.bookie] = (ev.entry_term, ev.data)
+        elif ev.bookie not in rd.answers:
+            rd.answers[ev.bookie] = "failed" if isinstance(ev, ReadFailed) else "missing"
+        self._decide_reads()
+
+    def _decide_reads(self) -> None:
+        """Decide entries in id order. An entry exists if any current copy was read: we wait for the
+        whole write set and take the copy with the highest stamp, so that two aborted take-overs
+        that left different values do not get mixed. ``WQ - AQ + 1`` misses (a copy older than the
+        floor counts as a miss) make it the truncate point; anything else aborts."""
+        while self.phase is Phase.RECOVERING and (rd := self.reads.get(self.next_decide)) is not None:
+            copies = [a for a in rd.answers.values() if isinstance(a, tuple) and a[0] >= self.read_floor]
+            misses = sum(1 for a in rd.answers.values() if a == "missing" or (isinstance(a, tuple) and a[0] < self.read_floor))
+            if not copies and misses >= coverage(self.wq, self.aq):
+                self.reads.clear()
+                self._truncate_at(rd.entry_id)
+                return
+            if len(rd.answers) < len(rd.targets):
+                return  # wait for the rest of the write set
+            if not copies:
+                self._abort(f"recovery read of entry {rd.entry_id} inconclusive: {rd.answers}")
+                return
+            del self.reads[rd.entry_id]
+            stamp, data = max(copies, key=lambda c: c[0])
+            if entry_codec.is_noop(data):
+                self.read_floor = max(self.read_floor, entry_codec.noop_term(data))
+            self.next_decide += 1
+            self._recovered(rd.entry_id, data)
+        self._send_reads()
 
     def _recovered(self, entry_id: int, data: bytes) -> None:
         assert entry_id == self.lap + 1, (entry_id, self.lap)
         self._new_pending(data, recovery=True)
         self._pump()
-        self._send_read(entry_id + 1)
 
     def _truncate_at(self, entry_id: int) -> None:
         self.truncate_entry_id = entry_id

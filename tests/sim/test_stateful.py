@@ -42,10 +42,18 @@ class ProtocolMachine(RuleBasedStateMachine):
                 return
             self.world.clients[i].append_one(w)
 
-    @rule(n=st.integers(1, 8))
+    @rule(n=st.integers(1, 30))
     def deliver(self, n):
         for _ in range(n):
             self.world.sim.step()
+
+    @rule()
+    def settle(self):
+        """Deliver everything in flight (bounded), checking invariants all the way."""
+        for _ in range(400):
+            if not self.world.sim.step():
+                break
+            self.protocol_invariants()
 
     @precondition(lambda self: bool(self.world.sim._heap))
     @rule()

@@ -111,6 +111,14 @@ class Cluster:
         self.run(w, w.start())
         return w
 
+    def time_out_reads(self, w, bookie: str) -> None:
+        """What the driver does when a recovery read gets no answer: report it failed."""
+        from terms.messages import ReadFailed
+
+        while any(bookie in rd.targets and bookie not in rd.answers for rd in w.reads.values()):
+            rd = next(rd for rd in w.reads.values() if bookie in rd.targets and bookie not in rd.answers)
+            self.run(w, w.handle(ReadFailed(bookie, 7, rd.entry_id, w.term)))
+
     def append(self, w, payload: bytes) -> int:
         eid, cmds = w.append(payload)
         self.run(w, cmds)

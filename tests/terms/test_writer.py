@@ -60,6 +60,8 @@ def test_take_over_truncates_the_old_terms_dirty_entry():
     c.hold = {"b0"}  # b0 unreachable during the take-over
     w2 = c.writer(seed=2)
     c.run(w2, w2.start())
+    c.time_out_reads(w2, "b0")
+    assert w2.truncate_entry_id == 2  # b1 and b2 miss entry 2: not committed
     assert w2.phase is Phase.RECOVERING  # the truncate no-op must reach all of the ensemble
     c.hold = set()
     # the no-op is still pending for b0: deliver it by failing b0 over to a new bookie

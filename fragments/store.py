@@ -1,0 +1,112 @@
+"""The metadata store interface: a small versioned key-value store with compare-and-set.
+
+Every write in Scroll's metadata is a compare-and-set on a version, so the interface is built
+around versions: a key's version changes on every write (etcd's ``mod_revision``; the in-process
+store keeps a global revision counter with the same meaning). A version of ``0`` in a comparison
+means "the key must not exist".
+
+Backends: ``fragments.memstore.MemoryStore`` (in-process, for the simulator-style unit tests and
+``scroll standalone`` experiments) and ``fragments.etcdstore.EtcdStore`` (production, via aetcd).
+One contract test suite runs against both.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+
+class MetadataError(Exception):
+    retriable = False
+
+
+class MetadataUnavailable(MetadataError):
+    """The store cannot be reached (connection refused, timeout). Safe to retry."""
+
+    retriable = True
+
+
+@dataclass(frozen=True, slots=True)
+class Versioned:
+    value: bytes
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    key: str
+    value: bytes | None  # None: deleted
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    succeeded: bool
+    versions: dict[str, int]  # key -> new version, for every key put (empty when not succeeded)
+
+
+class Lease(abc.ABC):
+    id: int
+    ttl_s: float
+
+    @abc.abstractmethod
+    async def refresh(self) -> None:
+        """Keep the lease alive once (callers run this on a timer, about ttl/3)."""
+
+    @abc.abstractmethod
+    async def revoke(self) -> None:
+        """End the lease now: every key attached to it disappears."""
+
+
+class MetadataStore(abc.ABC):
+    @abc.abstractmethod
+    async def get(self, key: str) -> Versioned | None: ...
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, lease: Lease | None = None) -> int:
+        """Unconditional write; returns the new version."""
+
+    @abc.abstractmethod
+    async def create(self, key: str, value: bytes, lease: Lease | None = None) -> int | None:
+        """Create-if-absent: the new version, or None if the key exists."""
+
+    @abc.abstractmethod
+    async def cas(self, key: str, value: bytes, expected_version: int) -> int | None:
+        """Write if the key is at ``expected_version`` (0: absent): new version, or None."""
+
+    @abc.abstractmethod
+    async def txn(
+        self,
+        compares: dict[str, int],
+        puts: dict[str, bytes],
+        deletes: tuple[str, ...] = (),
+    ) -> TxnResult:
+        """Atomically: if every key in ``compares`` is at its version (0: absent), apply every put
+        and delete."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str, expected_version: int | None = None) -> bool:
+        """Delete (only at ``expected_version`` when given). True if something was deleted."""
+
+    @abc.abstractmethod
+    async def list_prefix(self, prefix: str) -> list[tuple[str, Versioned]]:
+        """Every key under ``prefix``, sorted by key."""
+
+    @abc.abstractmethod
+    def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        """Changes under ``prefix`` from now on, in order, until the iterator is closed."""
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl_s: float) -> Lease: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def next_id(self, counter_key: str) -> int:
+        """Allocate the next integer from a counter key (1, 2, ...), by a CAS loop."""
+        while True:
+            cur = await self.get(counter_key)
+            n = int(cur.value) + 1 if cur else 1
+            if await self.cas(counter_key, str(n).encode(), cur.version if cur else 0) is not None:
+                return n
