@@ -1,0 +1,1 @@
+"""The bookie: Scroll's storage server (journal, entry logs, RocksDB index, caches, term rules)."""

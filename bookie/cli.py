@@ -1,0 +1,119 @@
+"""``scroll bookie``: run one bookie until SIGTERM/SIGINT.
+
+How this works: the options build a validated ``BookieConfig`` (``--set key=value`` overrides any
+field, e.g. ``--set min_free_bytes=0``); ``_serve`` opens storage (replaying the journal), binds
+gRPC (127.0.0.1 unless ``--host`` says otherwise; ``--port 0`` picks a free port), optionally starts
+the Prometheus endpoint, and prints one readiness line once serving::
+
+    bookie ready id=127.0.0.1:3181 address=127.0.0.1:3181 data_dir=/var/scroll metrics=none
+
+On SIGTERM or SIGINT it stops taking calls, lets in-flight calls finish, syncs the journal,
+checkpoints and exits 0, printing ``bookie stopped``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from fragments.registry import BookieRegistration, register_bookie
+from fragments.store import MetadataError
+from fragments.stores import open_store
+
+from .config import BookieConfig, ConfigError
+from .errors import BookieError
+from .metrics import BookieMetrics
+from .runtime import tune_malloc
+from .server import BookieServer
+
+log = logging.getLogger(__name__)
+
+
+def _parse_overrides(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--set")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@click.command("bookie")
+@click.option("--data-dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Entry logs and index.")
+@click.option("--port", default=3181, show_default=True, type=click.IntRange(0, 65535), help="gRPC port (0: any free port).")
+@click.option("--journal-dir", type=click.Path(file_okay=False, path_type=Path), help="Journal directory (ideally its own disk).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Prometheus endpoint port (on --host).")
+@click.option("--bookie-id", default="", help="Name reported in Info (default host:port).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field.")
+@click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+@click.option("--metadata", default=None, envvar="SCROLL_METADATA",
+              help="Register in this metadata store (etcd://host:port) under a lease, so clients find this bookie.")
+@click.option("--rack", default="/default-rack", show_default=True, help="Rack or zone label used by placement.")
+@click.option("--registration-ttl", default=5.0, show_default=True, type=float,
+              help="Lease TTL (s): a dead bookie leaves the live set this long after it stops refreshing.")
+def bookie_command(
+    data_dir: Path, port: int, journal_dir: Path | None, host: str, metrics_port: int | None,
+    bookie_id: str, overrides: tuple[str, ...], log_level: str, metadata: str | None, rack: str,
+    registration_ttl: float,
+) -> None:
+    """Run one bookie (storage server)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        config = BookieConfig(data_dir=data_dir, journal_dir=journal_dir, bookie_id=bookie_id)
+        config = config.with_overrides(_parse_overrides(overrides))
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    tune_malloc()
+    try:
+        asyncio.run(_serve(config, host, port, metrics_port, metadata, rack, registration_ttl))
+    except (BookieError, OSError, MetadataError) as exc:
+        click.echo(f"bookie failed: {exc}", err=True)
+        sys.exit(1)
+
+
+async def _serve(config: BookieConfig, host: str, port: int, metrics_port: int | None,
+                 metadata: str | None = None, rack: str = "/default-rack", ttl_s: float = 5.0) -> None:
+    metrics = BookieMetrics()
+    server = BookieServer(config, host=host, port=port, metrics=metrics)
+    await server.start()
+    http = None
+    if metrics_port is not None:
+        http = metrics.serve(metrics_port, host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    shown = f"{host}:{http.server_port}" if http is not None else "none"
+    click.echo(f"bookie ready id={server.bookie_id} address={server.address} data_dir={config.data_dir} metrics={shown}")
+    sys.stdout.flush()
+    registrar = await _register(server, metadata, rack, ttl_s) if metadata else None
+    await stop.wait()
+    if registrar is not None:
+        await registrar.close()  # leave the live set first, so clients stop placing new fragments here
+    log.info("stopping: draining in-flight calls")
+    await server.stop()
+    if http is not None:
+        http.shutdown()
+    click.echo("bookie stopped")
+    sys.stdout.flush()
+
+
+async def _register(server: BookieServer, metadata: str, rack: str, ttl_s: float):
+    """Register under a lease and keep the free/used bytes current."""
+    store = await open_store(metadata)
+    info = server.service.engine
+    reg = BookieRegistration(
+        server.bookie_id, server.address, rack=rack, free_bytes=info.free_bytes(), started_at=time.time(),
+    )
+    registrar = await register_bookie(store, reg, ttl_s=ttl_s)
+    click.echo(f"bookie registered id={server.bookie_id} in {metadata}")
+    sys.stdout.flush()
+    return registrar

@@ -1,0 +1,1 @@
+"""Generated gRPC code for the bookie protocol (see bookie.proto; regenerate with generate.py)."""
