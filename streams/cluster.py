@@ -1,0 +1,69 @@
+"""What a client knows of the cluster: the metadata store, the live bookies and one connection
+per bookie.
+
+Bookies register themselves under a lease (``fragments.registry``); fragments name bookies by id,
+so a bookie that restarts on the same id and address is found again. A bookie that is no longer
+registered gets no client: sends to it fail at once, which the writer treats as a failed write.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from bookie.client import BookieClient
+from fragments.ledgers import LedgerStore
+from fragments.registry import BookieRegistration, live_bookies
+from fragments.store import MetadataStore
+
+log = logging.getLogger(__name__)
+
+
+class Cluster:
+    def __init__(self, store: MetadataStore, *, add_timeout_s: float = 10.0, call_timeout_s: float = 10.0,
+                 max_entry_bytes: int = 1 << 20):
+        self.store = store
+        self.ledgers = LedgerStore(store)
+        self.add_timeout_s = add_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.max_entry_bytes = max_entry_bytes
+        self._regs: dict[str, BookieRegistration] = {}
+        self._known: dict[str, str] = {}  # bookie id -> address, kept after a bookie disappears
+        self._clients: dict[str, BookieClient] = {}
+        self._refreshed = 0.0
+
+    async def refresh_bookies(self, max_age_s: float = 0.0) -> list[BookieRegistration]:
+        if max_age_s and time.monotonic() - self._refreshed < max_age_s:
+            return list(self._regs.values())
+        regs = await live_bookies(self.store)
+        self._regs = {r.bookie_id: r for r in regs}
+        for r in regs:
+            old = self._known.get(r.bookie_id)
+            if old is not None and old != r.address and r.bookie_id in self._clients:
+                await self._clients.pop(r.bookie_id).close()
+            self._known[r.bookie_id] = r.address
+        self._refreshed = time.monotonic()
+        return regs
+
+    def live(self) -> list[BookieRegistration]:
+        return [r for r in self._regs.values() if not r.read_only]
+
+    def client(self, bookie_id: str) -> BookieClient | None:
+        c = self._clients.get(bookie_id)
+        if c is not None:
+            return c
+        addr = self._known.get(bookie_id)
+        if addr is None:
+            return None
+        c = BookieClient(
+            addr, bookie=bookie_id, add_timeout_s=self.add_timeout_s, call_timeout_s=self.call_timeout_s,
+            max_entry_bytes=self.max_entry_bytes + 64,
+        )
+        self._clients[bookie_id] = c
+        return c
+
+    async def close(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+        self._clients.clear()
+        await self.store.close()

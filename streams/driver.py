@@ -1,0 +1,297 @@
+"""The asyncio driver of a ``terms.writer.LedgerWriter``: commands become gRPC calls and metadata
+transactions; answers come back as events.
+
+How this works. The writer is a plain object; this driver owns the sockets and the clock. Adds
+produced by one step of the writer are grouped per bookie and handed to that bookie's client in
+one ``submit`` (the client batches further while a message is in flight). When the results come
+back, each is fed to the writer with the ``send_id`` of its command, and whatever the writer
+answers is executed in turn. Fences, recovery reads and LAC writes run as tasks; metadata CASes
+run as one transaction each. A timer feeds ``Tick`` so an idle writer pushes its LAC. Callers hold
+one future per appended entry, resolved in order when the writer says ``Acknowledge``.
+
+Nothing protocol-related is decided here: every rule lives in ``terms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+from dataclasses import dataclass
+
+from fragments.ledgers import LedgerStore
+from fragments.placement import BookieInfo, Placement
+from fragments.store import MetadataUnavailable
+from terms.commands import (
+    Aborted,
+    Acknowledge,
+    CasLedger,
+    Closed,
+    Opened,
+    SendAdd,
+    SendFence,
+    SendLacWrite,
+    SendRecoveryRead,
+    Withdraw,
+    WriterConfig,
+)
+from terms.messages import CasConflict, CasOk, FenceFailed, InvalidTerm, ReadFailed, Tick, WriteFailed
+from terms.writer import Backpressure, LedgerWriter, Phase
+
+from .errors import StaleTermError, TakeOverFailed, WriterWithdrawn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerOptions:
+    max_inflight_entries: int = 20_000
+    max_inflight_bytes: int = 64 * 1024 * 1024
+    lac_push_idle_s: float = 0.002
+    tick_s: float = 0.002
+    takeover_attempts: int = 20
+    takeover_backoff_s: float = 0.05
+
+
+class WriterDriver:
+    def __init__(self, cluster, ledger_name: str, options: ProducerOptions | None = None):
+        self.cluster = cluster
+        self.ledgers: LedgerStore = cluster.ledgers
+        self.name = ledger_name
+        self.options = options or ProducerOptions()
+        self.writer: LedgerWriter | None = None
+        self._acks: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        self._space = asyncio.Event()
+        self._opened: asyncio.Future | None = None
+        self._closed: asyncio.Future | None = None
+        self._tick_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.failure: Exception | None = None
+        self.ledger_id: int | None = None
+
+    # ---------------------------------------------------------------- life cycle
+    async def open(self) -> None:
+        """Take the ledger over (a new term), retrying when another writer races us."""
+        delay = self.options.takeover_backoff_s
+        last_reason = ""
+        for _ in range(self.options.takeover_attempts):
+            meta, version = await self.ledgers.get_ledger(self.name)
+            self.ledger_id = meta.ledger_id
+            last = await self.ledgers.get_fragment(meta.ledger_id, meta.last_fragment_index)
+            await self.cluster.refresh_bookies()
+            placement = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
+            cfg = WriterConfig(
+                max_inflight_entries=self.options.max_inflight_entries,
+                max_inflight_bytes=self.options.max_inflight_bytes,
+                lac_push_idle_s=self.options.lac_push_idle_s,
+            )
+            self.writer = LedgerWriter(meta, version, last, placement, cfg, now=self._now())
+            self.failure = None
+            self._opened = asyncio.get_running_loop().create_future()
+            self._execute(self.writer.start())
+            if self._tick_task is None:
+                self._tick_task = asyncio.create_task(self._ticker())
+            outcome = await self._opened
+            if outcome is True:
+                log.info("stream=%s ledger=%s term=%s open", self.name, meta.ledger_id, self.writer.term)
+                return
+            last_reason = outcome
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 1.0)
+        raise TakeOverFailed(f"could not take over stream {self.name!r}: {last_reason}")
+
+    async def close(self, seal: bool = False) -> None:
+        """Wait for everything appended, then stop (``seal``: also CLOSE the ledger in metadata)."""
+        w = self.writer
+        if w is not None and w.phase is Phase.OPEN:
+            await self.flush()
+            self._execute(w.push_lac())
+            if self._tasks:  # the LAC writes: readers see the last entries once close returns
+                await asyncio.wait(list(self._tasks), timeout=self.cluster.call_timeout_s)
+            if seal:
+                self._closed = asyncio.get_running_loop().create_future()
+                self._execute(w.close())
+                await self._closed
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            self._tick_task = None
+        for t in list(self._tasks):
+            t.cancel()
+
+    # ---------------------------------------------------------------- appends
+    def append_nowait(self, data: bytes) -> asyncio.Future:
+        """Queue one entry; the future resolves to its entry id once acknowledged."""
+        w = self.writer
+        if self.failure is not None:
+            raise self.failure
+        if w is None or w.phase is not Phase.OPEN:
+            raise WriterWithdrawn(f"stream {self.name!r} has no open writer")
+        entry_id, cmds = w.append(data)
+        fut = asyncio.get_running_loop().create_future()
+        self._acks.append((entry_id, fut))
+        self._execute(cmds)
+        return fut
+
+    async def append(self, data: bytes) -> int:
+        while True:
+            try:
+                fut = self.append_nowait(data)
+                break
+            except Backpressure:
+                self._space.clear()
+                await self._space.wait()
+        return await fut
+
+    def can_append(self, nbytes: int) -> bool:
+        return self.writer is not None and self.writer.can_append(nbytes)
+
+    async def wait_for_space(self) -> None:
+        self._space.clear()
+        await self._space.wait()
+
+    async def flush(self) -> None:
+        if self._acks:
+            await asyncio.gather(*(f for _, f in list(self._acks)), return_exceptions=True)
+
+    # ---------------------------------------------------------------- commands
+    def _execute(self, cmds) -> None:
+        adds: dict[str, list[SendAdd]] = {}
+        for c in cmds:
+            if isinstance(c, SendAdd):
+                adds.setdefault(c.bookie, []).append(c)
+            elif isinstance(c, SendFence):
+                self._spawn(self._fence(self.writer, c))
+            elif isinstance(c, SendRecoveryRead):
+                self._spawn(self._recovery_read(self.writer, c))
+            elif isinstance(c, SendLacWrite):
+                self._spawn(self._lac_write(self.writer, c))
+            elif isinstance(c, CasLedger):
+                self._spawn(self._cas(self.writer, c))
+            elif isinstance(c, Acknowledge):
+                self._acknowledge(c.last_entry_id)
+            elif isinstance(c, Opened):
+                self._settle(self._opened, True)
+            elif isinstance(c, Aborted):
+                self._settle(self._opened, c.reason)
+            elif isinstance(c, Withdraw):
+                self._withdrawn(c)
+            elif isinstance(c, Closed):
+                self._settle(self._closed, True)
+        for bookie, sends in adds.items():
+            self._submit(self.writer, bookie, sends)
+
+    def _submit(self, w: LedgerWriter, bookie: str, sends: list[SendAdd]) -> None:
+        client = self.cluster.client(bookie)
+        reqs = [s.request for s in sends]
+        if client is None:
+            self._feed_adds(w, [WriteFailed(bookie, r.ledger_id, r.entry_id, r.term) for r in reqs], sends)
+            return
+        fut = client.submit(reqs)
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                return
+            exc = f.exception()
+            if exc is not None:
+                events = [WriteFailed(bookie, r.ledger_id, r.entry_id, r.term) for r in reqs]
+            else:
+                events = f.result().events(reqs, bookie)
+            self._feed_adds(w, events, sends)
+
+        fut.add_done_callback(done)
+
+    def _feed_adds(self, w: LedgerWriter, events, sends: list[SendAdd]) -> None:
+        out = []
+        for ev, s in zip(events, sends):
+            out.extend(w.handle_add_answer(ev, s.send_id))
+        if w is self.writer:
+            self._execute(out)
+
+    def _feed(self, w: LedgerWriter, ev) -> None:
+        cmds = w.handle(ev)
+        if w is self.writer:
+            self._execute(cmds)
+
+    async def _fence(self, w: LedgerWriter, c: SendFence) -> None:
+        client = self.cluster.client(c.bookie)
+        ev = await client.fence(c.request.ledger_id, c.request.term) if client else FenceFailed(
+            c.bookie, c.request.ledger_id, c.request.term)
+        self._feed(w, ev)
+
+    async def _recovery_read(self, w: LedgerWriter, c: SendRecoveryRead) -> None:
+        r = c.request
+        client = self.cluster.client(c.bookie)
+        ev = await client.recovery_read(r.ledger_id, r.entry_id, r.term) if client else ReadFailed(
+            c.bookie, r.ledger_id, r.entry_id, r.term)
+        self._feed(w, ev)
+
+    async def _lac_write(self, w: LedgerWriter, c: SendLacWrite) -> None:
+        r = c.request
+        client = self.cluster.client(c.bookie)
+        if client is None:
+            return
+        ev = await client.write_lac(r.ledger_id, r.term, r.lac, r.lafr)
+        if isinstance(ev, InvalidTerm):
+            self._feed(w, ev)
+
+    async def _cas(self, w: LedgerWriter, c: CasLedger) -> None:
+        try:
+            version = await self.ledgers.cas_ledger(c.ledger, c.fragments, c.expected_version)
+        except MetadataUnavailable as exc:
+            # The outcome is unknown: treat it as lost. The writer aborts or withdraws and a new
+            # take-over re-reads the metadata, which is safe whichever way the CAS went.
+            log.warning("stream=%s metadata CAS (%s) failed: %s", self.name, c.reason, exc)
+            version = None
+        self._feed(w, CasOk(version) if version is not None else CasConflict())
+
+    # ---------------------------------------------------------------- outcomes
+    def _acknowledge(self, last: int) -> None:
+        acks = self._acks
+        while acks and acks[0][0] <= last:
+            entry_id, fut = acks.popleft()
+            if not fut.done():
+                fut.set_result(entry_id)
+        self._space.set()
+
+    def _withdrawn(self, c: Withdraw) -> None:
+        if c.stale_term:
+            err: Exception = StaleTermError(f"stream {self.name!r}: {c.reason}")
+        else:
+            err = WriterWithdrawn(f"stream {self.name!r}: {c.reason}")
+        self.failure = err
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            self._tick_task = None
+        while self._acks:
+            _, fut = self._acks.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+        self._space.set()
+        self._settle(self._closed, err)
+
+    @staticmethod
+    def _settle(fut: asyncio.Future | None, value) -> None:
+        if fut is not None and not fut.done():
+            fut.set_result(value)
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._task_done)
+
+    def _task_done(self, t: asyncio.Task) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("stream=%s driver task failed", self.name, exc_info=t.exception())
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.tick_s)
+            w = self.writer
+            if w is not None and w.engaged:
+                self._feed(w, Tick(self._now()))
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()

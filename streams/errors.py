@@ -1,0 +1,57 @@
+"""Errors the client API raises. Each says whose fault it is and whether retrying can help."""
+
+from __future__ import annotations
+
+
+class ScrollError(Exception):
+    retriable = False
+
+
+class NoSuchStream(ScrollError):
+    pass
+
+
+class StreamExists(ScrollError):
+    pass
+
+
+class InvalidArgument(ScrollError):
+    pass
+
+
+class StaleTermError(ScrollError):
+    """This producer was taken over: another writer holds a newer term. Nothing it appended after
+    the take-over is readable. Open a new producer to write again."""
+
+
+class WriterWithdrawn(ScrollError):
+    """The writer stopped (e.g. a bookie holding committed entries failed); unacknowledged appends
+    have an unknown outcome. A new producer re-opens the stream through a take-over."""
+
+    retriable = True
+
+
+class TakeOverFailed(ScrollError):
+    retriable = True
+
+
+class DataRemovedError(ScrollError):
+    """The position asked for was removed by retention."""
+
+    def __init__(self, message: str, earliest: int):
+        super().__init__(message)
+        self.earliest = earliest
+
+
+class PayloadTooLarge(InvalidArgument):
+    pass
+
+
+class NoBookiesAvailable(ScrollError):
+    retriable = True
+
+
+class ReadFailedError(ScrollError):
+    """No replica could serve an entry that is below the LAC."""
+
+    retriable = True

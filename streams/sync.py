@@ -1,0 +1,134 @@
+"""A blocking wrapper of the async client, for scripts and Spark executors.
+
+    from streams.sync import connect
+    with connect("etcd://127.0.0.1:2379") as client:
+        with client.producer("orders") as p:
+            p.append(b"hello")
+        for r in client.consumer("orders").read(100): ...
+
+One background thread runs an asyncio loop; every call is submitted to it and waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from . import client as aclient
+from .consumer import EARLIEST
+
+
+class _Loop:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="scroll-client", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+class SyncProducer:
+    def __init__(self, loop: _Loop, producer: aclient.Producer):
+        self._loop, self._p = loop, producer
+
+    @property
+    def term(self) -> int:
+        return self._p.term
+
+    def append(self, value: bytes, key: bytes | None = None, headers=None, timestamp_ms: int | None = None) -> int:
+        return self._loop.run(self._p.append(value, key, headers, timestamp_ms))
+
+    def append_many(self, values) -> list[int]:
+        """Pipeline many appends; returns their positions in order."""
+
+        async def go():
+            futs = [await self._p.append_future(v) for v in values]
+            return list(await asyncio.gather(*futs))
+
+        return self._loop.run(go())
+
+    def flush(self) -> None:
+        self._loop.run(self._p.flush())
+
+    def close(self, seal: bool = False) -> None:
+        self._loop.run(self._p.close(seal))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SyncConsumer:
+    def __init__(self, loop: _Loop, consumer):
+        self._loop, self._c = loop, consumer
+
+    @property
+    def position(self) -> int:
+        return self._c.position
+
+    def seek(self, position: int) -> None:
+        self._c.seek(position)
+
+    def read(self, max_records: int = 100, timeout_s: float = 0.0):
+        return self._loop.run(self._c.read(max_records, timeout_s))
+
+    def end_position(self) -> int:
+        return self._loop.run(self._c.end_position())
+
+    def earliest(self) -> int:
+        return self._c.earliest()
+
+
+class SyncClient:
+    def __init__(self, metadata_url: str, **options):
+        self._loop = _Loop()
+        try:
+            self._c = self._loop.run(aclient.connect(metadata_url, **options))
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    def create_stream(self, name: str, **kw):
+        return self._loop.run(self._c.create_stream(name, **kw))
+
+    def describe_stream(self, name: str):
+        return self._loop.run(self._c.describe_stream(name))
+
+    def list_streams(self):
+        return self._loop.run(self._c.list_streams())
+
+    def delete_stream(self, name: str) -> None:
+        self._loop.run(self._c.delete_stream(name))
+
+    def live_bookies(self):
+        return self._loop.run(self._c.live_bookies())
+
+    def producer(self, stream: str, options=None) -> SyncProducer:
+        return SyncProducer(self._loop, self._loop.run(self._c.producer(stream, options)))
+
+    def consumer(self, stream: str, start=EARLIEST, **options) -> SyncConsumer:
+        return SyncConsumer(self._loop, self._loop.run(self._c.consumer(stream, start, **options)))
+
+    def close(self) -> None:
+        try:
+            self._loop.run(self._c.close(), timeout=10)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def connect(metadata_url: str, **options) -> SyncClient:
+    return SyncClient(metadata_url, **options)

@@ -1,0 +1,271 @@
+"""End to end over real processes: etcd, 4 bookie processes, producers in this and other processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from streams.errors import (
+    InvalidArgument,
+    NoSuchStream,
+    PayloadTooLarge,
+    StaleTermError,
+    StreamExists,
+    WriterWithdrawn,
+)
+from streams.sync import connect
+from terms import entry as entry_codec
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.process
+
+
+def read_all(client, name):
+    c = client.consumer(name, start="earliest")
+    out = []
+    while True:
+        batch = c.read(1000)
+        if not batch:
+            return out
+        out.extend(batch)
+
+
+def replicas_agree(client, cluster, name):
+    """Every replica of every entry up to the LAC holds the same bytes (no-ops included)."""
+    import asyncio
+
+    from bookie.client import BookieClient
+    from terms.quorum import write_set
+
+    info = client.describe_stream(name)
+    end = client.consumer(name, start="latest").position
+
+    async def go():
+        ports = {f"bookie-{i}": p for i, p in enumerate(cluster.bookie_ports)}
+        out = {}
+        for f in info.fragments:
+            last = min(f.last_entry_id if f.sealed else end - 1, end - 1)
+            for b in set(f.ensemble):
+                async with BookieClient(f"127.0.0.1:{ports[b]}", bookie=b) as bc:
+                    eid = f.first_entry_id
+                    while eid <= last:
+                        r = await bc.read(info.meta.ledger_id, eid, last, max_entries=1000)
+                        for e in r.entries:
+                            if b in write_set(e.entry_id, f.ensemble, info.meta.config.write_quorum) and e.entry_term >= f.created_term:
+                                out.setdefault(e.entry_id, set()).add(e.data)
+                        eid = r.entries[-1].entry_id + 1
+        return out
+
+    copies = asyncio.run(go())
+    assert all(len(v) == 1 for v in copies.values()), {k: v for k, v in copies.items() if len(v) > 1}
+    return copies
+
+
+def test_create_describe_list_delete_and_bad_arguments(client, stream_name):
+    info = client.create_stream(stream_name, ensemble=3, write_quorum=3, ack_quorum=2)
+    assert info.meta.name == stream_name and len(info.fragments[0].ensemble) == 3
+    assert stream_name in [m.name for m in client.list_streams()]
+    with pytest.raises(StreamExists):
+        client.create_stream(stream_name)
+    with pytest.raises(InvalidArgument, match="write_quorum"):
+        client.create_stream(stream_name + "-bad", ensemble=2, write_quorum=3, ack_quorum=2)
+    with pytest.raises(NoSuchStream):
+        client.producer("no-such-stream")
+    with pytest.raises(NoSuchStream):
+        client.consumer("no-such-stream")
+    with client.producer(stream_name) as p:
+        with pytest.raises(PayloadTooLarge):
+            p.append(b"x" * (2 << 20))
+        assert p.append(b"still fine") == 1  # the oversized append lost nothing and broke nothing
+    assert [r.value for r in read_all(client, stream_name)] == [b"still fine"]
+    client.delete_stream(stream_name)
+    with pytest.raises(NoSuchStream):
+        client.describe_stream(stream_name)
+
+
+def test_produce_consume_keys_headers_and_positions(client, cluster, stream_name):
+    client.create_stream(stream_name)
+    with client.producer(stream_name) as p:
+        positions = p.append_many([b"v%d" % i for i in range(500)])
+        keyed = p.append(b"with-key", key=b"k", headers={"h": b"1", "none": None})
+    assert positions == list(range(1, 501)) and keyed == 501
+    got = read_all(client, stream_name)
+    assert [r.value for r in got] == [b"v%d" % i for i in range(500)] + [b"with-key"]
+    assert got[-1].key == b"k" and dict(got[-1].headers) == {"h": b"1", "none": None}
+    c = client.consumer(stream_name, start=250)
+    assert c.read(1)[0].position == 250
+    copies = replicas_agree(client, cluster, stream_name)
+    assert entry_codec.is_noop(next(iter(copies[0])))  # the first take-over's truncate point
+
+
+def test_two_producers_fight_every_append_acked_once_or_failed(client, cluster, stream_name):
+    client.create_stream(stream_name)
+    acked: list[bytes] = []
+    failed: list[bytes] = []
+    lock = threading.Lock()
+
+    def run(tag: str, rounds: int):
+        with connect(cluster.metadata_url, add_timeout_s=5.0) as c:
+            for r in range(rounds):
+                p = c.producer(stream_name)  # a take-over each round
+                for i in range(40):
+                    v = f"{tag}-{r}-{i}".encode()
+                    try:
+                        p.append(v)
+                        with lock:
+                            acked.append(v)
+                    except (StaleTermError, WriterWithdrawn):
+                        with lock:
+                            failed.append(v)
+                        break
+                try:
+                    p.close()
+                except Exception:
+                    pass
+
+    threads = [threading.Thread(target=run, args=(t, 6)) for t in ("A", "B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    values = [r.value for r in read_all(client, stream_name)]
+    counts = Counter(values)
+    assert all(counts[v] == 1 for v in acked), "an acknowledged append is missing or duplicated"
+    assert len(values) == len(set(values))  # nothing twice; a failed append may or may not be present
+    # the take-overs happened and every replica agrees on every entry
+    info = client.describe_stream(stream_name)
+    assert info.meta.term >= 12
+    replicas_agree(client, cluster, stream_name)
+    print(f"\n{len(acked)} acknowledged, {len(failed)} failed by take-over, term {info.meta.term}")
+
+
+def test_sigkill_a_bookie_the_writer_changes_ensemble_and_loses_nothing(client, cluster, stream_name):
+    client.create_stream(stream_name, ensemble=3, write_quorum=3, ack_quorum=2)
+    victim_name = client.describe_stream(stream_name).fragments[0].ensemble[1]
+    victim = int(victim_name.split("-")[1])
+    positions = {}
+    with client.producer(stream_name) as p:
+        for i in range(300):
+            positions[p.append(b"before-%d" % i)] = b"before-%d" % i
+        cluster.kill_bookie(victim)
+        for i in range(300):
+            positions[p.append(b"after-%d" % i)] = b"after-%d" % i
+    cluster.start_bookie(victim)
+    info = client.describe_stream(stream_name)
+    assert len(info.fragments) >= 2 and victim_name not in info.fragments[-1].ensemble
+    got = {r.position: r.value for r in read_all(client, stream_name)}
+    assert got == positions
+
+
+def test_stopped_producer_is_fenced_by_a_take_over_from_another_process(client, cluster, stream_name, tmp_path):
+    client.create_stream(stream_name)
+    script = tmp_path / "zombie.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from streams.sync import connect
+        from streams.errors import StaleTermError
+        with connect({cluster.metadata_url!r}, add_timeout_s=5.0) as c:
+            p = c.producer({stream_name!r})
+            for i in range(10):
+                p.append(b"zombie-before-%d" % i)
+            print("ready", flush=True)
+            sys.stdin.readline()
+            try:
+                p.append(b"zombie-after")
+                print("appended", flush=True)
+            except StaleTermError as exc:
+                print("stale:", exc, flush=True)
+    """))
+    child = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        os.kill(child.pid, signal.SIGSTOP)
+        with client.producer(stream_name) as p:
+            p.append(b"new-owner")
+        os.kill(child.pid, signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        assert line.startswith("stale:"), line
+        child.wait(30)
+    finally:
+        child.kill()
+    values = [r.value for r in read_all(client, stream_name)]
+    assert values == [b"zombie-before-%d" % i for i in range(10)] + [b"new-owner"]
+    assert b"zombie-after" not in values
+
+
+def test_a_large_stream_spreads_over_all_bookies(client, cluster, stream_name):
+    client.create_stream(stream_name, fragment_bytes_max=1 << 20)
+    value = os.urandom(60 * 1024)
+    with client.producer(stream_name) as p:
+        p.append_many([value] * 850)  # ~50 MB
+    info = client.describe_stream(stream_name)
+    placement = Counter(b for f in info.fragments for b in f.ensemble)
+    print(f"\n{len(info.fragments)} fragments; placement {dict(placement)}")
+    assert len(info.fragments) >= 40
+    assert set(placement) == {f"bookie-{i}" for i in range(4)}
+    assert max(placement.values()) - min(placement.values()) <= len(info.fragments) // 2
+    assert all(f.size_bytes is None or f.size_bytes <= (1 << 20) + len(value) + 64 for f in info.fragments)
+
+
+def test_tailing_consumer_is_woken_by_the_long_poll(cluster, stream_name):
+    with connect(cluster.metadata_url) as c:
+        c.create_stream(stream_name)
+        with c.producer(stream_name) as p:
+            p.append(b"first")
+            cons = c.consumer(stream_name, start="earliest", long_poll_s=60.0)
+            assert [r.value for r in cons.read(10, timeout_s=10.0)] == [b"first"]  # caught up
+            got = {}
+
+            def wait():
+                t0 = time.monotonic()
+                got["records"] = cons.read(10, timeout_s=60.0)
+                got["elapsed"] = time.monotonic() - t0
+
+            t = threading.Thread(target=wait)
+            t.start()
+            time.sleep(0.3)  # let the consumer park in its long poll
+            p.append(b"second")
+            t.join(60)
+    assert [r.value for r in got["records"]] == [b"second"]
+    # woken by the write, far inside the 60 s long-poll timeout
+    assert got["elapsed"] < 30, got["elapsed"]
+    print(f"\nlong-poll delivery after {got['elapsed'] * 1000:.0f} ms (timeout 60 s)")
+
+
+def test_the_last_entry_becomes_visible_without_another_append(client, stream_name):
+    client.create_stream(stream_name)
+    with client.producer(stream_name) as p:
+        p.append(b"only")
+        cons = client.consumer(stream_name, start="earliest")
+        assert [r.value for r in cons.read(10, timeout_s=10.0)] == [b"only"]
+
+
+def test_metadata_store_down_is_a_clear_error():
+    from fragments.store import MetadataUnavailable
+    from streams.localcluster import free_port
+
+    with pytest.raises(MetadataUnavailable, match="127.0.0.1"):
+        with connect(f"etcd://127.0.0.1:{free_port()}") as c:
+            c.list_streams()
+
+
+def test_noop_entries_never_reach_consumers(client, stream_name):
+    client.create_stream(stream_name)
+    for _ in range(3):  # three take-overs: three truncate no-ops
+        with client.producer(stream_name) as p:
+            p.append(b"x")
+    values = [r.value for r in read_all(client, stream_name)]
+    assert values == [b"x", b"x", b"x"]
+    assert entry_codec.is_noop(entry_codec.noop(1))
