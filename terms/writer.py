@@ -202,6 +202,13 @@ class LedgerWriter:
             self.inflight_bytes + nbytes <= self.config.max_inflight_bytes or not self.pending
         )
 
+    def push_lac(self) -> list[Command]:
+        """Push the LAC to the ensemble now (a producer that stops must leave its last entries
+        visible to readers, not wait for an idle tick that will never come)."""
+        if self.phase is Phase.OPEN and self.lac > self.lac_pushed and self.cas_reason is None:
+            self._push_lac()
+        return self._drain()
+
     def close(self) -> list[Command]:
         """Close the ledger once everything appended is fully replicated."""
         if self.phase is Phase.OPEN:
@@ -398,6 +405,10 @@ class LedgerWriter:
         while self.sent_upto < self.lap:
             if self.phase in (Phase.OPEN, Phase.CLOSING) and self._fragment_is_full():
                 break  # drain, then roll over
+            if self.phase is Phase.RECOVERING and self.lafr < self.sent_upto:
+                # Write-backs go one at a time: a lost write-back followed by a later one that
+                # arrives (a reconnect) would leave a bookie holding two take-overs' lineages.
+                break
             self.sent_upto += 1
             p = self.pending[self.sent_upto]
             self.fragment_bytes += len(p.data)
@@ -447,6 +458,7 @@ class LedgerWriter:
             self.acked = self.lac
             self._out.append(Acknowledge(self.lac))
         if recovering:
+            self._pump()
             self._maybe_finish_recovery()
         else:
             self._pump()
