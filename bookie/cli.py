@@ -95,8 +95,10 @@ async def _serve(config: BookieConfig, host: str, port: int, metrics_port: int |
     click.echo(f"bookie ready id={server.bookie_id} address={server.address} data_dir={config.data_dir} metrics={shown}")
     sys.stdout.flush()
     registrar = await _register(server, metadata, rack, ttl_s) if metadata else None
+    reporter = asyncio.create_task(_report_space(server, registrar, ttl_s)) if registrar else None
     await stop.wait()
     if registrar is not None:
+        reporter.cancel()
         await registrar.close()  # leave the live set first, so clients stop placing new fragments here
     log.info("stopping: draining in-flight calls")
     await server.stop()
@@ -117,3 +119,16 @@ async def _register(server: BookieServer, metadata: str, rack: str, ttl_s: float
     click.echo(f"bookie registered id={server.bookie_id} in {metadata}")
     sys.stdout.flush()
     return registrar
+
+
+async def _report_space(server: BookieServer, registrar, interval_s: float) -> None:
+    """Keep free/used bytes and the read-only flag in the registration current (placement and
+    ``scroll bookies`` read them)."""
+    engine = server.service.engine
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await registrar.update(free_bytes=engine.free_bytes(), used_bytes=engine.used_bytes(),
+                                   read_only=engine.read_only_reason is not None)
+        except MetadataError as exc:
+            log.warning("could not update the registration: %s", exc)
