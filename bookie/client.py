@@ -280,6 +280,19 @@ def _describe(exc: BaseException) -> str:
 # ------------------------------------------------------------------------------ the client
 
 
+async def _merge(futs: list[asyncio.Future]) -> AddResults:
+    parts = await asyncio.gather(*futs)
+    n = sum(p.count for p in parts)
+    if all(p.all_ok for p in parts):
+        return AddResults(n)
+    statuses: list[int] = []
+    terms: list[int] = []
+    for p in parts:
+        statuses.extend(p.statuses if p.statuses is not None else [Status.OK] * p.count)
+        terms.extend(p.bookie_terms if p.bookie_terms is not None else [-1] * p.count)
+    return AddResults(n, statuses, terms, "; ".join(p.error for p in parts if p.error))
+
+
 class BookieClient:
     """Talk to one bookie. Use as ``async with BookieClient(addr) as c:`` or call ``close()``."""
 
@@ -361,10 +374,25 @@ class BookieClient:
         recoveries = recoveries if recoveries is not None else [False] * n
         flags = (any(truncates), any(recoveries), any(dtypes))
         cols = (ledger_ids, entry_ids, terms, lacs, lafrs, truncates, recoveries, dtypes, digest_col, datas)
-        nbytes = sum(map(len, datas))
         if self._stream is None or self._stream.dead:
             self._stream = _AddStream(self)
-        return self._stream.enqueue(cols, nbytes, flags)
+        chunks = list(self._chunks(datas))
+        if len(chunks) == 1:
+            return self._stream.enqueue(cols, chunks[0][2], flags)
+        # A submission larger than one batch (e.g. an ensemble change resending a whole window)
+        # goes out as several batches, each within the limits, and answers as one AddResults.
+        futs = [self._stream.enqueue(tuple(c[a:b] for c in cols), nb, flags) for a, b, nb in chunks]
+        return asyncio.ensure_future(_merge(futs))
+
+    def _chunks(self, datas):
+        """(start, end, bytes) runs of at most max_batch_adds adds and max_batch_bytes bytes."""
+        start, nbytes = 0, 0
+        for i, d in enumerate(datas):
+            if i > start and (i - start >= self.max_batch_adds or nbytes + len(d) > self.max_batch_bytes):
+                yield start, i, nbytes
+                start, nbytes = i, 0
+            nbytes += len(d)
+        yield start, len(datas), nbytes
 
     def _digests(self, ledger_ids, entry_ids, datas) -> tuple[list[int], list[bytes]]:
         keys = self._keys

@@ -37,7 +37,7 @@ from terms.commands import (
     WriterConfig,
 )
 from terms.messages import CasConflict, CasOk, FenceFailed, InvalidTerm, ReadFailed, Tick, WriteFailed
-from terms.writer import Backpressure, LedgerWriter, Phase
+from terms.writer import LedgerWriter, Phase
 
 from .errors import StaleTermError, TakeOverFailed, WriterWithdrawn
 
@@ -134,16 +134,16 @@ class WriterDriver:
         return fut
 
     async def append(self, data: bytes) -> int:
-        while True:
-            try:
-                fut = self.append_nowait(data)
-                break
-            except Backpressure:
-                self._space.clear()
-                await self._space.wait()
+        while not self.can_append(len(data)):
+            await self.wait_for_space()
+        fut = self.append_nowait(data)
         return await fut
 
     def can_append(self, nbytes: int) -> bool:
+        """Whether an append fits now; raises if the writer was withdrawn (a producer waiting for
+        space must learn it was taken over instead of waiting for space that never comes)."""
+        if self.failure is not None:
+            raise self.failure
         return self.writer is not None and self.writer.can_append(nbytes)
 
     async def wait_for_space(self) -> None:
@@ -207,6 +207,9 @@ class WriterDriver:
             out.extend(w.handle_add_answer(ev, s.send_id))
         if w is self.writer:
             self._execute(out)
+            # In-flight space frees up when entries reach WQ (LAFR), which can come after their
+            # acknowledgement: wake anyone waiting for space on every batch of answers.
+            self._space.set()
 
     def _feed(self, w: LedgerWriter, ev) -> None:
         cmds = w.handle(ev)

@@ -4,6 +4,7 @@ bad input on the real port (each a clear error; the bookie keeps serving and los
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import socket
@@ -130,9 +131,20 @@ def test_bad_input_gets_clear_errors_and_loses_nothing(bookie_process) -> None:
             # oversized entry (within the message limit): refused on its own
             res = await c.submit([AddRequest(1, 200, 2, 0, 0, b"ok"), AddRequest(1, 201, 2, 0, 0, b"x" * 10_000)])
             assert res.statuses == [Status.OK, Status.TOO_LARGE]
-            # a message over the gRPC limit: the stream breaks, the adds fail, nothing else does
+            # a submission over the batch limits is split by the client; each oversized entry is refused
             huge = await c.submit([AddRequest(1, 300 + i, 2, 0, 0, b"h" * 4000) for i in range(5000)])
-            assert set(huge.statuses) == {UNAVAILABLE}
+            assert set(huge.statuses) == {Status.TOO_LARGE}
+            # a raw message over the gRPC limit: that stream breaks, nothing else does
+            raw = c._stub.Add()
+            n = 5000
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await raw.write(pb.AddBatch(batch_id=1, ledger_id=[1] * n, entry_id=list(range(300, 300 + n)),
+                                            term=[2] * n, lac=[0] * n, lafr=[0] * n, digest=[b"1234"] * n,
+                                            data=[b"h" * 4000] * n))
+                await raw.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in raw:
+                    pass
             # malformed batches: columns of different lengths, negative ids, bad digests
             stub_stream = c._stub.Add()
             await stub_stream.write(pb.AddBatch(batch_id=9, ledger_id=[1, 1], entry_id=[1], term=[2], lac=[0], lafr=[0],

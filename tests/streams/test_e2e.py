@@ -152,18 +152,35 @@ def test_sigkill_a_bookie_the_writer_changes_ensemble_and_loses_nothing(client, 
     client.create_stream(stream_name, ensemble=3, write_quorum=3, ack_quorum=2)
     victim_name = client.describe_stream(stream_name).fragments[0].ensemble[1]
     victim = int(victim_name.split("-")[1])
-    positions = {}
-    with client.producer(stream_name) as p:
-        for i in range(300):
-            positions[p.append(b"before-%d" % i)] = b"before-%d" % i
-        cluster.kill_bookie(victim)
-        for i in range(300):
-            positions[p.append(b"after-%d" % i)] = b"after-%d" % i
+    n = 30000
+    values = [b"v-%d-" % i + b"x" * 512 for i in range(n)]
+    result = {}
+    with connect(cluster.metadata_url, add_timeout_s=5.0) as writer_client, writer_client.producer(stream_name) as p:
+        def run():
+            try:
+                result["positions"] = p.append_many(values)
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                result["error"] = exc
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        cons = client.consumer(stream_name, start="earliest")  # an observer with its own connection
+        while cons.end_position() < 1000:  # the run is under way
+            time.sleep(0.005)
+        cluster.kill_bookie(victim)  # SIGKILL with appends in flight
+        killed_at = cons.end_position()
+        runner.join(180)
+        assert not runner.is_alive(), "the append run did not finish"
     cluster.start_bookie(victim)
+    assert killed_at < n, "the kill must land while appends are in flight"
+    assert "error" not in result, result.get("error")
+    assert result["positions"] == list(range(1, n + 1))  # every append acknowledged, in order
     info = client.describe_stream(stream_name)
     assert len(info.fragments) >= 2 and victim_name not in info.fragments[-1].ensemble
     got = {r.position: r.value for r in read_all(client, stream_name)}
-    assert got == positions
+    assert got == dict(zip(result["positions"], values))
+    print(f"\nkilled {victim_name} at LAC {killed_at}; ensemble change at entry {info.fragments[-1].first_entry_id}: "
+          f"{info.fragments[-2].ensemble} -> {info.fragments[-1].ensemble}")
 
 
 def test_stopped_producer_is_fenced_by_a_take_over_from_another_process(client, cluster, stream_name, tmp_path):
