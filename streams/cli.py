@@ -301,5 +301,17 @@ from bookie.cli import bookie_command  # noqa: E402  (registered last: the booki
 
 main.add_command(bookie_command, "bookie")
 
+
+def _plugins() -> None:
+    """Commands of packages that sit above streams (the Kafka shim, the Spark connector) register
+    through the ``scroll.commands`` entry-point group, so streams never imports them."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="scroll.commands"):
+        main.add_command(ep.load(), ep.name)
+
+
+_plugins()
+
 if __name__ == "__main__":
     main()

@@ -38,7 +38,8 @@ def sweep(first: int, count: int, broken: str | None = None, scale: float = 1.0,
             if stop_at_first and not results[-1].ok:
                 break
         return results
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+    # spawn, not fork: the caller (pytest) may already hold gRPC or librdkafka threads
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for r in pool.imap(_one, seeds, chunksize=4):
             results.append(r)
             if stop_at_first and not r.ok:

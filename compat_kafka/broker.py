@@ -1,0 +1,399 @@
+"""The request handlers: Kafka APIs answered from Scroll streams.
+
+How this works. ``Broker.handle`` takes a decoded request and returns the kio response body (or
+None for an acks=0 produce, which gets no answer). Topics live in the metadata store under
+``kafka/topics/<name>`` (JSON: partitions, topic id, configs); partition ``p`` of topic ``t`` is
+the stream ``t-p``. Partitions are opened on first use (``PartitionLog.open``, a take-over), kept
+open, and re-opened after their writer fails. Fetch long-polls on this shim's own appends: the
+shim is the only writer of every partition it serves, so an acknowledged append is what moves a
+high watermark. This shim always names itself (node 0) leader of every partition and controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kio.schema.errors import ErrorCode
+
+from streams.errors import NoSuchStream, StreamExists
+
+from . import codec
+from .batches import split_batches
+from .codec import ZERO_MS, build, nested
+from .errors import (
+    InvalidPartitions,
+    InvalidRequest,
+    InvalidRequiredAcks,
+    InvalidTopic,
+    KafkaError,
+    RequestTimedOut,
+    TopicAlreadyExists,
+    UnknownTopicOrPartition,
+    code_for,
+)
+from .partition import PartitionConfig, PartitionLog, stream_name
+
+log = logging.getLogger(__name__)
+
+TOPIC_KEY_PREFIX = "kafka/topics/"
+_TOPIC_NAME = re.compile(r"^[a-zA-Z0-9._-]{1,200}$")
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    host: str = "127.0.0.1"  # advertised in Metadata (IPv4: some clients resolve localhost to ::1)
+    port: int = 9092
+    node_id: int = 0
+    cluster_id: str = "scroll"
+    default_partitions: int = 1
+    auto_create_topics: bool = True
+    max_partitions: int = 1000
+    ensemble: int = 3
+    write_quorum: int = 3
+    ack_quorum: int = 2
+    max_fetch_bytes: int = 64 << 20
+    max_fetch_wait_ms: int = 30_000
+    max_produce_timeout_ms: int = 60_000
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+
+    def __post_init__(self):
+        if not 1 <= self.default_partitions <= self.max_partitions:
+            raise ValueError(f"default_partitions must be 1..{self.max_partitions}")
+        if not 1 <= self.ack_quorum <= self.write_quorum <= self.ensemble:
+            raise ValueError("need 1 <= ack_quorum <= write_quorum <= ensemble")
+        if self.max_fetch_bytes < 1024 or self.max_fetch_wait_ms < 0:
+            raise ValueError("invalid fetch limits")
+
+
+@dataclass(frozen=True)
+class TopicMeta:
+    name: str
+    partitions: int
+    topic_id: uuid.UUID
+    configs: dict[str, str]
+
+    def encode(self) -> bytes:
+        return json.dumps({"partitions": self.partitions, "topic_id": str(self.topic_id),
+                           "configs": self.configs}).encode()
+
+    @classmethod
+    def decode(cls, name: str, raw: bytes) -> TopicMeta:
+        d = json.loads(raw)
+        return cls(name, int(d["partitions"]), uuid.UUID(d["topic_id"]), dict(d.get("configs", {})))
+
+
+class Broker:
+    def __init__(self, client, config: BrokerConfig | None = None):
+        self.client = client
+        self.store = client.cluster.store
+        self.config = config or BrokerConfig()
+        self._logs: dict[tuple[str, int], PartitionLog] = {}
+        self._opening: dict[tuple[str, int], asyncio.Future] = {}
+        self._appended = asyncio.Event()
+        self._handlers = {
+            codec.API_API_VERSIONS: self.api_versions,
+            codec.API_METADATA: self.metadata,
+            codec.API_PRODUCE: self.produce,
+            codec.API_FETCH: self.fetch,
+            codec.API_LIST_OFFSETS: self.list_offsets,
+            codec.API_CREATE_TOPICS: self.create_topics,
+            codec.API_DELETE_TOPICS: self.delete_topics,
+        }
+
+    async def handle(self, req: codec.Request) -> Any:
+        resp_cls = codec.response_schema(req.api_key, req.api_version)
+        return await self._handlers[req.api_key](req.body, resp_cls)
+
+    async def close(self) -> None:
+        logs, self._logs = list(self._logs.values()), {}
+        for p in logs:
+            await p.close()
+
+    # ---------------------------------------------------------------- topics and partitions
+    async def topic(self, name: str) -> TopicMeta | None:
+        v = await self.store.get(TOPIC_KEY_PREFIX + name)
+        return TopicMeta.decode(name, v.value) if v else None
+
+    async def topics(self) -> list[TopicMeta]:
+        rows = await self.store.list_prefix(TOPIC_KEY_PREFIX)
+        return [TopicMeta.decode(k[len(TOPIC_KEY_PREFIX):], v.value) for k, v in rows]
+
+    async def create_topic(self, name: str, partitions: int, configs: dict[str, str],
+                           validate_only: bool = False) -> TopicMeta:
+        if not _TOPIC_NAME.match(name) or name in (".", ".."):
+            raise InvalidTopic(f"invalid topic name {name!r} (1-200 of [a-zA-Z0-9._-])")
+        if not 1 <= partitions <= self.config.max_partitions:
+            raise InvalidPartitions(f"partitions must be 1..{self.config.max_partitions}, not {partitions}")
+        if await self.topic(name) is not None:
+            raise TopicAlreadyExists(f"topic {name!r} already exists")
+        meta = TopicMeta(name, partitions, uuid.uuid4(), configs)
+        if validate_only:
+            return meta
+        c = self.config
+        for p in range(partitions):
+            # a stream left over by an interrupted create or delete is reused
+            with contextlib.suppress(StreamExists):
+                await self.client.create_stream(stream_name(name, p), c.ensemble, c.write_quorum, c.ack_quorum)
+        if await self.store.create(TOPIC_KEY_PREFIX + name, meta.encode()) is None:
+            raise TopicAlreadyExists(f"topic {name!r} already exists")
+        log.info("topic=%s created with %d partitions", name, partitions)
+        return meta
+
+    async def delete_topic(self, meta: TopicMeta) -> None:
+        await self.store.delete(TOPIC_KEY_PREFIX + meta.name)
+        for p in range(meta.partitions):
+            plog = self._logs.pop((meta.name, p), None)
+            if plog is not None:
+                await plog.close()
+            with contextlib.suppress(NoSuchStream):
+                await self.client.delete_stream(stream_name(meta.name, p))
+        log.info("topic=%s deleted", meta.name)
+
+    async def partition(self, topic: str, index: int) -> PartitionLog:
+        key = (topic, index)
+        plog = self._logs.get(key)
+        if plog is not None and plog.usable:
+            return plog
+        if plog is not None:  # its writer failed: take the stream over again
+            del self._logs[key]
+            asyncio.ensure_future(plog.close())
+        opening = self._opening.get(key)
+        if opening is None:
+            opening = asyncio.ensure_future(self._open(topic, index))
+            self._opening[key] = opening
+            opening.add_done_callback(lambda _f: self._opening.pop(key, None))
+        return await asyncio.shield(opening)
+
+    async def _open(self, topic: str, index: int) -> PartitionLog:
+        meta = await self.topic(topic)
+        if meta is None or not 0 <= index < meta.partitions:
+            raise UnknownTopicOrPartition(f"unknown topic or partition {topic}-{index}")
+        plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append)
+        await plog.open()
+        self._logs[(topic, index)] = plog
+        return plog
+
+    def _notify_append(self) -> None:
+        ev, self._appended = self._appended, asyncio.Event()
+        ev.set()
+
+    # ---------------------------------------------------------------- ApiVersions
+    async def api_versions(self, req, resp_cls):
+        version_cls = nested(resp_cls, "ApiVersion")
+        keys = tuple(version_cls(api_key=k, min_version=lo, max_version=hi) for k, lo, hi in codec.our_api_ranges())
+        return build(resp_cls, error_code=ErrorCode.none, api_keys=keys, throttle_time=ZERO_MS)
+
+    # ---------------------------------------------------------------- Metadata
+    async def metadata(self, req, resp_cls):
+        version = resp_cls.__version__
+        broker_cls = nested(resp_cls, "MetadataResponseBroker")
+        topic_cls = nested(resp_cls, "MetadataResponseTopic")
+        part_cls = nested(resp_cls, "MetadataResponsePartition")
+        c = self.config
+        if req.topics is None or (version == 0 and not req.topics):
+            metas = [(m.name, m) for m in await self.topics()]
+        else:
+            allow = getattr(req, "allow_auto_topic_creation", True) and c.auto_create_topics
+            metas = []
+            for t in req.topics:
+                name = t.name
+                if name is None:  # by topic id only: not served yet
+                    metas.append((None, UnknownTopicOrPartition("topic ids are not resolved yet")))
+                    continue
+                metas.append((name, await self._topic_or_create(name, allow)))
+        topics = []
+        for name, m in metas:
+            if isinstance(m, BaseException):
+                topics.append(build(topic_cls, error_code=code_for(m), name=name, topic_id=None, is_internal=False,
+                                    partitions=()))
+                continue
+            parts = tuple(
+                build(part_cls, error_code=ErrorCode.none, partition_index=p, leader_id=c.node_id, leader_epoch=-1,
+                      replica_nodes=(c.node_id,), isr_nodes=(c.node_id,), offline_replicas=())
+                for p in range(m.partitions))
+            topics.append(build(topic_cls, error_code=ErrorCode.none, name=m.name, topic_id=m.topic_id,
+                                is_internal=False, partitions=parts))
+        brokers = (build(broker_cls, node_id=c.node_id, host=c.host, port=c.port, rack=None),)
+        return build(resp_cls, throttle_time=ZERO_MS, brokers=brokers, cluster_id=c.cluster_id,
+                     controller_id=c.node_id, topics=tuple(topics))
+
+    async def _topic_or_create(self, name: str, allow_create: bool) -> TopicMeta | BaseException:
+        try:
+            m = await self.topic(name)
+            if m is None and allow_create:
+                try:
+                    m = await self.create_topic(name, self.config.default_partitions, {})
+                except TopicAlreadyExists:
+                    m = await self.topic(name)
+            return m if m is not None else UnknownTopicOrPartition(f"unknown topic {name!r}")
+        except Exception as exc:
+            return exc
+
+    # ---------------------------------------------------------------- Produce
+    async def produce(self, req, resp_cls):
+        topic_resp_cls = nested(resp_cls, "TopicProduceResponse")
+        part_resp_cls = nested(resp_cls, "PartitionProduceResponse")
+        timeout_s = min(max(req.timeout.total_seconds(), 0.0), self.config.max_produce_timeout_ms / 1000)
+        pending: list[tuple[str, int, int, list, PartitionLog]] = []
+        results: dict[tuple[str, int], tuple[BaseException | None, int, int]] = {}
+        order = [(t.name, p.index) for t in req.topic_data for p in t.partition_data]
+        for t in req.topic_data:
+            for p in t.partition_data:
+                try:
+                    if req.acks not in (-1, 0, 1):
+                        raise InvalidRequiredAcks(f"acks must be -1, 0 or 1, not {req.acks}")
+                    if req.transactional_id is not None:
+                        raise InvalidRequest("transactions are not supported")
+                    batches = split_batches(p.records or b"")
+                    plog = await self.partition(t.name, p.index)
+                    base, futs = await plog.append(batches)
+                    pending.append((t.name, p.index, base, futs, plog))
+                except Exception as exc:
+                    self._log_error("produce", t.name, p.index, exc)
+                    results[(t.name, p.index)] = (exc, -1, -1)
+        for name, index, base, futs, plog in pending:
+            results[(name, index)] = await self._await_acks(futs, base, plog, timeout_s)
+            if results[(name, index)][0] is not None:
+                self._log_error("produce", name, index, results[(name, index)][0])
+        if req.acks == 0:
+            return None
+        by_topic: dict[str, list] = {}
+        for name, index in order:
+            exc, base, log_start = results[(name, index)]
+            by_topic.setdefault(name, []).append(build(
+                part_resp_cls, index=index, error_code=code_for(exc) if exc else ErrorCode.none, base_offset=base,
+                log_append_time=None, log_start_offset=log_start, record_errors=(),
+                error_message=str(exc) if exc else None))
+        return build(resp_cls, throttle_time=ZERO_MS, responses=tuple(
+            topic_resp_cls(name=n, partition_responses=tuple(ps)) for n, ps in by_topic.items()))
+
+    async def _await_acks(self, futs, base: int, plog: PartitionLog, timeout_s: float):
+        if not futs:
+            return None, base, plog.log_start
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.gather(*futs)), timeout_s)
+        except TimeoutError:
+            return RequestTimedOut(f"not acknowledged within {timeout_s}s"), -1, -1
+        except Exception as exc:
+            return exc, -1, -1
+        return None, base, plog.log_start
+
+    def _log_error(self, what: str, topic: str, index: int, exc: BaseException) -> None:
+        if isinstance(exc, KafkaError):
+            log.info("%s topic=%s partition=%d: %s", what, topic, index, exc)
+        else:
+            log.warning("%s topic=%s partition=%d: %r", what, topic, index, exc)
+
+    # ---------------------------------------------------------------- Fetch
+    async def fetch(self, req, resp_cls):
+        loop = asyncio.get_running_loop()
+        wait_s = min(max(req.max_wait.total_seconds(), 0.0), self.config.max_fetch_wait_ms / 1000)
+        deadline = loop.time() + wait_s
+        max_bytes = max(1, min(req.max_bytes, self.config.max_fetch_bytes))
+        while True:
+            appended = self._appended
+            topics, total, errors = await self._fetch_once(req, resp_cls, max_bytes)
+            remaining = deadline - loop.time()
+            if total >= req.min_bytes or total >= max_bytes or errors or remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(appended.wait(), remaining)
+        return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, session_id=0, responses=topics)
+
+    async def _fetch_once(self, req, resp_cls, max_bytes: int):
+        topic_cls = nested(resp_cls, "FetchableTopicResponse")
+        part_cls = nested(resp_cls, "PartitionData")
+        total, errors, topics = 0, 0, []
+        for t in req.topics:
+            parts = []
+            for p in t.partitions:
+                records, error, hw, start = b"", None, -1, -1
+                try:
+                    plog = await self.partition(t.topic, p.partition)
+                    hw, start = plog.high_watermark, plog.log_start
+                    room = min(p.partition_max_bytes, max_bytes - total)
+                    if room > 0 or total == 0:
+                        records = await plog.read(p.fetch_offset, max(room, 1))
+                except Exception as exc:
+                    self._log_error("fetch", t.topic, p.partition, exc)
+                    error, errors = exc, errors + 1
+                total += len(records)
+                parts.append(build(
+                    part_cls, partition_index=p.partition, error_code=code_for(error) if error else ErrorCode.none,
+                    high_watermark=hw, last_stable_offset=hw, log_start_offset=start, aborted_transactions=(),
+                    preferred_read_replica=-1, records=records))
+            topics.append(topic_cls(topic=t.topic, partitions=tuple(parts)))
+        return tuple(topics), total, errors
+
+    # ---------------------------------------------------------------- ListOffsets
+    async def list_offsets(self, req, resp_cls):
+        topic_cls = nested(resp_cls, "ListOffsetsTopicResponse")
+        part_cls = nested(resp_cls, "ListOffsetsPartitionResponse")
+        topics = []
+        for t in req.topics:
+            parts = []
+            for p in t.partitions:
+                offset, ts, error = -1, -1, None
+                try:
+                    plog = await self.partition(t.name, p.partition_index)
+                    if p.timestamp in (-2, -4, -5):  # earliest, earliest-local, earliest-pending-upload
+                        offset = plog.log_start
+                    elif p.timestamp < 0:  # -1 latest, -3 max timestamp: the high watermark
+                        offset = plog.high_watermark
+                    else:
+                        offset, ts = await plog.offset_for_timestamp(p.timestamp)
+                except Exception as exc:
+                    self._log_error("list_offsets", t.name, p.partition_index, exc)
+                    error = exc
+                parts.append(build(part_cls, partition_index=p.partition_index,
+                                   error_code=code_for(error) if error else ErrorCode.none,
+                                   timestamp=ts, offset=offset, leader_epoch=-1))
+            topics.append(topic_cls(name=t.name, partitions=tuple(parts)))
+        return build(resp_cls, throttle_time=ZERO_MS, topics=tuple(topics))
+
+    # ---------------------------------------------------------------- CreateTopics / DeleteTopics
+    async def create_topics(self, req, resp_cls):
+        result_cls = nested(resp_cls, "CreatableTopicResult")
+        out = []
+        for t in req.topics:
+            n = len(t.assignments) if t.assignments else t.num_partitions
+            n = self.config.default_partitions if n == -1 else n
+            configs = {c.name: c.value for c in t.configs if c.value is not None}
+            try:
+                meta = await self.create_topic(t.name, n, configs, req.validate_only)
+                out.append(build(result_cls, name=t.name, topic_id=meta.topic_id, error_code=ErrorCode.none,
+                                 error_message=None, num_partitions=n, replication_factor=self.config.write_quorum,
+                                 configs=()))
+            except Exception as exc:
+                self._log_error("create_topics", t.name, -1, exc)
+                out.append(build(result_cls, name=t.name, topic_id=None, error_code=code_for(exc),
+                                 error_message=str(exc), num_partitions=-1, replication_factor=-1, configs=None))
+        return build(resp_cls, throttle_time=ZERO_MS, topics=tuple(out))
+
+    async def delete_topics(self, req, resp_cls):
+        result_cls = nested(resp_cls, "DeletableTopicResult")
+        wanted = ([(t.name, t.topic_id) for t in req.topics] if hasattr(req, "topics")
+                  else [(n, None) for n in req.topic_names])
+        out = []
+        for name, topic_id in wanted:
+            try:
+                meta = await self.topic(name) if name else None
+                if name is None and topic_id is not None:
+                    meta = next((m for m in await self.topics() if m.topic_id == topic_id), None)
+                if meta is None:
+                    raise UnknownTopicOrPartition(f"unknown topic {name or topic_id}")
+                await self.delete_topic(meta)
+                out.append(build(result_cls, name=meta.name, topic_id=meta.topic_id, error_code=ErrorCode.none,
+                                 error_message=None))
+            except Exception as exc:
+                self._log_error("delete_topics", str(name), -1, exc)
+                out.append(build(result_cls, name=name, topic_id=topic_id, error_code=code_for(exc),
+                                 error_message=str(exc)))
+        return build(resp_cls, throttle_time=ZERO_MS, responses=tuple(out))

@@ -1,0 +1,57 @@
+"""``scroll kafka``: run the Kafka-protocol shim in front of a Scroll cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import click
+
+from .broker import Broker, BrokerConfig
+from .server import KafkaServer, ServerConfig
+
+
+async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,
+                started: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` is set (or SIGINT/SIGTERM when it is None)."""
+    from streams.client import connect
+
+    client = await connect(metadata_url)
+    server = KafkaServer(Broker(client, broker_config), server_config)
+    try:
+        await server.start()
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError):
+                    loop.add_signal_handler(sig, stop.set)
+        if started is not None:
+            started.set()
+        await stop.wait()
+    finally:
+        await server.stop()
+        await client.close()
+
+
+@click.command("kafka")
+@click.option("--metadata", "metadata_url", required=True, help="metadata store URL, e.g. etcd://127.0.0.1:2379")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on and advertise")
+@click.option("--port", default=9092, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--default-partitions", default=1, show_default=True, type=click.IntRange(1, 1000),
+              help="partitions of an auto-created topic (and of CreateTopics with -1)")
+@click.option("--no-auto-create", is_flag=True, help="do not create unknown topics on Metadata requests")
+@click.option("--max-frame-bytes", default=64 << 20, show_default=True, type=click.IntRange(1024, 1 << 30))
+def kafka_command(metadata_url: str, host: str, port: int, default_partitions: int, no_auto_create: bool,
+                  max_frame_bytes: int) -> None:
+    """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes)
+        broker_config = BrokerConfig(host=host, port=port, default_partitions=default_partitions,
+                                     auto_create_topics=not no_auto_create)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    asyncio.run(serve(metadata_url, server_config, broker_config))

@@ -1,0 +1,202 @@
+"""Sans-IO Kafka framing and message coding, on top of ``kio`` (pinned: kio==0.6.5).
+
+How this works. On the wire every request and response is a frame: a 4-byte big-endian size, then
+that many bytes. ``FrameDecoder`` turns a byte stream into frames and refuses a frame over the
+size limit before buffering it. A request frame starts with its header: api key (int16), api
+version (int16), correlation id (int32), client id (nullable int16 string) and, for flexible
+versions (header v2), tagged fields; then the body. Which header version and body schema apply
+is known from (api key, version), so ``decode_request`` reads the fixed prefix first, checks the
+pair against ``SUPPORTED``, and only then lets kio parse. ``encode_response`` writes the size,
+the response header kio names for the schema (always v0 for ApiVersions) and the body.
+
+An ApiVersions request above our range gets a v0-encoded UNSUPPORTED_VERSION answer carrying our
+ranges (clients then retry at a version we speak); any other unknown key or version is a
+``UnsupportedRequest``, after which the server closes the connection, as a Kafka broker does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from kio.index import load_request_schema, load_response_schema
+from kio.schema.api_versions.v0.response import ApiVersion as ApiVersionV0
+from kio.schema.api_versions.v0.response import ApiVersionsResponse as ApiVersionsResponseV0
+from kio.schema.errors import ErrorCode
+from kio.serial import entity_reader, entity_writer
+
+from .errors import CorruptRequest, FrameTooLarge, UnsupportedRequest
+
+API_PRODUCE = 0
+API_FETCH = 1
+API_LIST_OFFSETS = 2
+API_METADATA = 3
+API_API_VERSIONS = 18
+API_CREATE_TOPICS = 19
+API_DELETE_TOPICS = 20
+
+# The versions we serve, per api key (checked against kcat/librdkafka 2.0 and confluent-kafka 2.16).
+SUPPORTED: dict[int, tuple[int, int]] = {
+    API_PRODUCE: (3, 12),
+    API_FETCH: (4, 12),
+    API_LIST_OFFSETS: (1, 9),
+    API_METADATA: (0, 12),
+    API_API_VERSIONS: (0, 3),
+    API_CREATE_TOPICS: (2, 7),
+    API_DELETE_TOPICS: (1, 6),
+}
+
+MAX_FRAME_BYTES = 64 << 20
+_SIZE = struct.Struct(">i")
+_PREFIX = struct.Struct(">hhi")  # api key, api version, correlation id
+_I16 = struct.Struct(">h")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    api_key: int
+    api_version: int
+    correlation_id: int
+    client_id: str | None
+    body: Any  # the kio request entity
+
+
+class FrameDecoder:
+    """Bytes in, whole frames out. Raises ``FrameTooLarge`` on a size over the limit (or negative)."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES):
+        if max_frame_bytes < 64:
+            raise ValueError("max_frame_bytes must be at least 64")
+        self.max_frame_bytes = max_frame_bytes
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        frames = []
+        while len(self._buf) >= 4:
+            (size,) = _SIZE.unpack_from(self._buf, 0)
+            check_frame_size(size, self.max_frame_bytes)
+            if len(self._buf) < 4 + size:
+                break
+            frames.append(bytes(self._buf[4 : 4 + size]))
+            del self._buf[: 4 + size]
+        return frames
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of an incomplete frame (non-zero at end of stream means a truncated frame)."""
+        return len(self._buf)
+
+
+def check_frame_size(size: int, max_frame_bytes: int) -> None:
+    if size < _PREFIX.size + 2 or size > max_frame_bytes:
+        raise FrameTooLarge(f"frame size {size} outside 10..{max_frame_bytes} bytes")
+
+
+def frame(payload: bytes) -> bytes:
+    return _SIZE.pack(len(payload)) + payload
+
+
+# ---------------------------------------------------------------- requests
+def read_prefix(data: bytes) -> tuple[int, int, int]:
+    if len(data) < _PREFIX.size:
+        raise CorruptRequest(f"request of {len(data)} bytes is shorter than a request header")
+    return _PREFIX.unpack_from(data, 0)
+
+
+def _client_id(data: bytes) -> str | None:
+    """The client id of a header v1/v2 (the same non-compact string in both)."""
+    (n,) = _I16.unpack_from(data, _PREFIX.size)
+    if n < 0:
+        return None
+    return bytes(data[_PREFIX.size + 2 : _PREFIX.size + 2 + n]).decode("utf-8", "replace")
+
+
+def decode_request(data: bytes) -> Request:
+    """One request frame (without its size) -> ``Request``.
+
+    Raises ``UnsupportedRequest`` for a key/version outside ``SUPPORTED`` (ApiVersions included:
+    the caller answers that one with ``unsupported_api_versions_response``) and ``CorruptRequest``
+    for bytes kio cannot parse.
+    """
+    api_key, version, correlation_id = read_prefix(data)
+    rng = SUPPORTED.get(api_key)
+    if rng is None or not rng[0] <= version <= rng[1]:
+        raise UnsupportedRequest(f"api key {api_key} version {version} is not supported", api_key, version,
+                                 correlation_id)
+    schema = load_request_schema(api_key, version)
+    try:
+        header, hsize = entity_reader(schema.__header_schema__)(data, 0)
+        body, bsize = entity_reader(schema)(data, hsize)
+    except Exception as exc:  # kio raises several decode errors, and ValueError on bad enum values
+        raise CorruptRequest(f"api key {api_key} v{version} correlation {correlation_id}: {exc!r}") from exc
+    return Request(api_key, version, correlation_id, header.client_id, body)
+
+
+def encode_request(body: Any, correlation_id: int, client_id: str | None = "scroll") -> bytes:
+    """A whole request frame (for tests and tools): size, header, body."""
+    header_cls = body.__header_schema__
+    fields = {f.name for f in dataclasses.fields(header_cls)}
+    kw = dict(request_api_key=body.__api_key__, request_api_version=body.__version__,
+              correlation_id=correlation_id, client_id=client_id)
+    header = header_cls(**{k: v for k, v in kw.items() if k in fields})
+    buf = io.BytesIO()
+    entity_writer(header_cls)(buf, header)
+    entity_writer(type(body))(buf, body)
+    return frame(buf.getvalue())
+
+
+# ---------------------------------------------------------------- responses
+def response_schema(api_key: int, version: int) -> type:
+    return load_response_schema(api_key, version)
+
+
+def encode_response(correlation_id: int, body: Any) -> bytes:
+    """A whole response frame: size, the response header of the body's schema, body."""
+    header_cls = body.__header_schema__
+    buf = io.BytesIO()
+    entity_writer(header_cls)(buf, header_cls(correlation_id=correlation_id))
+    entity_writer(type(body))(buf, body)
+    return frame(buf.getvalue())
+
+
+def decode_response(data: bytes, api_key: int, version: int) -> tuple[int, Any]:
+    """A response frame without its size -> (correlation id, kio entity). For tests and tools."""
+    schema = load_response_schema(api_key, version)
+    header, hsize = entity_reader(schema.__header_schema__)(data, 0)
+    body, _ = entity_reader(schema)(data, hsize)
+    return header.correlation_id, body
+
+
+def our_api_ranges() -> list[tuple[int, int, int]]:
+    return [(k, lo, hi) for k, (lo, hi) in sorted(SUPPORTED.items())]
+
+
+def unsupported_api_versions_response(correlation_id: int) -> bytes:
+    """The v0-encoded UNSUPPORTED_VERSION answer to an ApiVersions request above our range."""
+    body = ApiVersionsResponseV0(
+        error_code=ErrorCode.unsupported_version,
+        api_keys=tuple(ApiVersionV0(api_key=k, min_version=lo, max_version=hi) for k, lo, hi in our_api_ranges()),
+    )
+    return encode_response(correlation_id, body)
+
+
+def build(cls: type, **values: Any) -> Any:
+    """Construct a kio entity of any version from the superset of fields we know: values for fields
+    this version does not have are dropped; missing ones take the schema default."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def nested(body_cls: type, name: str) -> type:
+    """A nested entity class of the same schema module (e.g. ``PartitionData`` of Fetch v12)."""
+    import sys
+
+    return getattr(sys.modules[body_cls.__module__], name)
+
+
+ZERO_MS = datetime.timedelta(0)

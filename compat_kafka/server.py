@@ -1,0 +1,152 @@
+"""The TCP server: frames in, handlers run, responses out in request order.
+
+How this works. Each connection has a reader loop and a writer loop. The reader takes frames off
+the socket (refusing one over ``max_frame_bytes`` before reading it), decodes each, starts its
+handler as a task right away (so pipelined requests run concurrently) and queues the task; the
+writer awaits the queued tasks in order and writes their responses, so answers leave in request
+order whatever order the handlers finish in. An acks=0 produce is handled but answered with
+nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
+version) closes that connection, as a Kafka broker does; an ApiVersions request above our range
+is answered (v0, UNSUPPORTED_VERSION) instead. Other connections are not affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from dataclasses import dataclass
+
+from . import codec
+from .broker import Broker
+from .errors import ProtocolError, UnsupportedRequest
+
+log = logging.getLogger(__name__)
+
+_SIZE = struct.Struct(">i")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 9092  # 0: any free port (see KafkaServer.port)
+    max_frame_bytes: int = codec.MAX_FRAME_BYTES
+    max_inflight_requests: int = 256  # per connection
+    max_connections: int = 1000
+
+    def __post_init__(self):
+        if self.max_frame_bytes < 1024 or self.max_inflight_requests < 1 or self.max_connections < 1:
+            raise ValueError(f"invalid server config {self}")
+
+
+class KafkaServer:
+    def __init__(self, broker: Broker, config: ServerConfig | None = None):
+        self.broker = broker
+        self.config = config or ServerConfig()
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.Task] = set()
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "server not started"
+        return self._server.sockets[0].getsockname()[1]
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._connection, self.config.host, self.config.port)
+        log.info("Kafka shim listening on %s:%d", self.config.host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._conns):
+            t.cancel()
+        for t in list(self._conns):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        await self.broker.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._serve_connection(reader, writer)
+        except asyncio.CancelledError:  # server stopping
+            writer.close()
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        peer = writer.get_extra_info("peername")
+        if len(self._conns) >= self.config.max_connections:
+            log.warning("refusing connection from %s: %d connections open", peer, len(self._conns))
+            writer.close()
+            return
+        self._conns.add(task)
+        queue: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)
+        sender = asyncio.create_task(self._send_loop(queue, writer))
+        try:
+            await self._read_loop(reader, queue, peer)
+        except ProtocolError as exc:
+            log.warning("closing connection from %s: %s", peer, exc)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away (or sent a truncated frame and closed)
+        finally:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+            if not sender.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(sender), 5.0)
+            sender.cancel()
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            self._conns.discard(task)
+
+    async def _read_loop(self, reader: asyncio.StreamReader, queue: asyncio.Queue, peer) -> None:
+        while True:
+            try:
+                head = await reader.readexactly(4)
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    raise ProtocolError(f"truncated frame size ({len(exc.partial)} bytes)") from exc
+                return  # clean end of stream
+            (size,) = _SIZE.unpack(head)
+            codec.check_frame_size(size, self.config.max_frame_bytes)
+            try:
+                data = await reader.readexactly(size)
+            except asyncio.IncompleteReadError as exc:
+                raise ProtocolError(f"truncated frame: {len(exc.partial)} of {size} bytes") from exc
+            try:
+                req = codec.decode_request(data)
+            except UnsupportedRequest as exc:
+                if exc.api_key != codec.API_API_VERSIONS:
+                    raise
+                await queue.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
+                continue
+            await queue.put(asyncio.create_task(self._respond(req)))
+
+    async def _respond(self, req: codec.Request) -> bytes | None:
+        body = await self.broker.handle(req)
+        return None if body is None else codec.encode_response(req.correlation_id, body)
+
+    async def _send_loop(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            try:
+                data = await item
+            except Exception:
+                log.exception("handler failed; closing the connection")
+                writer.close()
+                return
+            if data is not None:
+                writer.write(data)
+                await writer.drain()
+
+
+def _done(data: bytes) -> asyncio.Future:
+    f = asyncio.get_running_loop().create_future()
+    f.set_result(data)
+    return f

@@ -1,0 +1,81 @@
+"""A real cluster (etcd + 3 bookies) and the Kafka shim running in-process, in a thread with its own
+asyncio loop, on a free port of 127.0.0.1. Shared by every Kafka test in the session."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+import pytest
+
+from compat_kafka.broker import BrokerConfig
+from compat_kafka.cli import serve
+from compat_kafka.server import ServerConfig
+from streams.localcluster import LocalCluster, free_port
+
+
+class ShimThread:
+    def __init__(self, metadata_url: str, port: int, max_frame_bytes: int = 8 << 20):
+        self.port = port
+        self.bootstrap = f"127.0.0.1:{port}"
+        self._url = metadata_url
+        self._max_frame = max_frame_bytes
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="kafka-shim", daemon=True)
+
+    def _run(self) -> None:
+        async def main():
+            self.loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            started = asyncio.Event()
+            task = asyncio.create_task(serve(
+                self._url, ServerConfig(port=self.port, max_frame_bytes=self._max_frame),
+                BrokerConfig(port=self.port, default_partitions=1), started=started, stop=self._stop))
+            waiter = asyncio.create_task(started.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            self._started.set()
+            await task
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+            self._started.set()
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._started.wait(30) or self._error is not None:
+            raise RuntimeError(f"Kafka shim did not start: {self._error!r}")
+
+    def stop(self) -> None:
+        if self.loop is not None and self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(15)
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("kafka-cluster"), bookies=3)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def shim(kafka_cluster):
+    s = ShimThread(kafka_cluster.metadata_url, free_port())
+    s.start()
+    yield s
+    s.stop()
+
+
+_n = itertools.count(1)
+
+
+@pytest.fixture()
+def topic(request):
+    return f"t{next(_n)}-{request.node.name[:30].replace('[', '-').replace(']', '')}"
