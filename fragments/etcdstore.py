@@ -317,10 +317,6 @@ class EtcdStore(MetadataStore):
         self._observe(revision)
         return revision
 
-    async def cas(self, key: str, value: bytes, expected_version: int) -> int | None:
-        result = await self.txn({key: expected_version}, {key: value})
-        return result.versions[key] if result.succeeded else None
-
     async def txn(
         self,
         compares: dict[str, int],

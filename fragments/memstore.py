@@ -275,10 +275,6 @@ class MemoryStore(MetadataStore):
         self._write(key, value, self._revision, lease_id)
         return self._revision
 
-    async def cas(self, key: str, value: bytes, expected_version: int) -> int | None:
-        result = await self.txn({key: expected_version}, {key: value})
-        return result.versions[key] if result.succeeded else None
-
     async def txn(
         self,
         compares: dict[str, int],

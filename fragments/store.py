@@ -71,9 +71,10 @@ class MetadataStore(abc.ABC):
     async def create(self, key: str, value: bytes, lease: Lease | None = None) -> int | None:
         """Create-if-absent: the new version, or None if the key exists."""
 
-    @abc.abstractmethod
     async def cas(self, key: str, value: bytes, expected_version: int) -> int | None:
         """Write if the key is at ``expected_version`` (0: absent): new version, or None."""
+        result = await self.txn({key: expected_version}, {key: value})
+        return result.versions[key] if result.succeeded else None
 
     @abc.abstractmethod
     async def txn(
