@@ -73,16 +73,11 @@ def run_seed(seed: int, unsafe: UnsafeSwitches | None = None, scale: float = 1.0
             break
     else:
         w = hero.writer
-        if w is not None and __import__("os").environ.get("SIM_DEBUG"):
-            print("phase", w.phase, "lap", w.lap, "lac", w.lac, "lafr", w.lafr, "sent_upto", w.sent_upto, "failed", w.failed,
-                  "cas", w.cas_reason, "frag", w.fragment, "read", w.read, "needs_trunc", w.needs_truncate)
-            for e, p in list(w.pending.items())[:6]:
-                print("  pending", e, p.truncate, p.recovery, "acks", p.acks, "sent", p.sent_to)
-            for n, b in world.bookies.items():
-                print("  bookie", n, b.up, b.state)
         res.violations.append(
             f"Liveness: no take-over with all appends acknowledged within 5 s of fault-free time "
-            f"(writer phase {w.phase.value if w else None}, acked {w.acked if w else None}, lap {w.lap if w else None})"
+            f"(writer phase {w.phase.value if w else None}, acked {w.acked if w else None}, lap {w.lap if w else None}, "
+            f"lafr {w.lafr if w else None}, failed {sorted(w.failed) if w else None}, cas {w.cas_reason if w else None}, "
+            f"ensemble {w.fragment.ensemble if w else None})"
         )
         return res
     # let zombies' last messages settle, then read everything back

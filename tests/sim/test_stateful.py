@@ -6,10 +6,14 @@ bookie, a take-over by some client, a writer tick); after each one every invaria
 
 from __future__ import annotations
 
+import heapq
+import os
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from terms.messages import Tick
 from terms.writer import Phase
 
 from .checker import Checker
@@ -62,8 +66,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         t, seq, fn, args = min(heap)
         if getattr(fn, "__func__", None) is Network._deliver:
             heap.remove((t, seq, fn, args))
-            import heapq
-
             heapq.heapify(heap)
 
     @rule(b=st.integers(0, 6), restart=st.booleans())
@@ -80,8 +82,6 @@ class ProtocolMachine(RuleBasedStateMachine):
         c = self.world.clients[i]
         if c.writer is not None:
             self.world.sim.now += 0.01
-            from terms.messages import Tick
-
             c.execute(c.writer, c.writer.handle(Tick(self.world.sim.now)))
 
     @invariant()
@@ -91,7 +91,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
 
 ProtocolMachine.TestCase.settings = settings(
-    max_examples=int(__import__("os").environ.get("SCROLL_HYPOTHESIS_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("SCROLL_HYPOTHESIS_EXAMPLES", "150")),
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
