@@ -205,7 +205,8 @@ def consume(stream_name, start, follow, max_records, metadata, as_json):
         try:
             cons = c.consumer(stream_name, start=start_at)
             while max_records is None or seen < max_records:
-                batch = cons.read(min(500, (max_records or 500) - seen) or 1, timeout_s=1.0 if follow else 0.0)
+                want = 500 if max_records is None else min(500, max_records - seen)
+                batch = cons.read(want, timeout_s=1.0 if follow else 0.0)
                 if not batch and not follow:
                     break
                 for r in batch:

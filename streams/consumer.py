@@ -149,6 +149,7 @@ class Consumer:
             self.lac = max(self.lac, r.lac)
             return
         await self._refresh()  # the ensemble may have changed
+        await asyncio.sleep(min(wait_s, 0.1))  # no bookie answered: do not spin until the deadline
 
     async def _read_range(self, first: int, last: int):
         for _attempt in range(2):

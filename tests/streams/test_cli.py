@@ -48,3 +48,11 @@ def test_clear_errors(cluster):
     env = dict(os.environ, SCROLL_METADATA="etcd://127.0.0.1:1")
     p = subprocess.run([*SCROLL, "stream", "list"], capture_output=True, env=env, timeout=60)
     assert p.returncode != 0 and b"127.0.0.1:1" in p.stderr and b"Traceback" not in p.stderr
+
+
+def test_consume_reads_a_stream_longer_than_one_batch(cluster, stream_name):
+    run(cluster, "stream", "create", stream_name)
+    lines = b"".join(b"line-%d\n" % i for i in range(1300))
+    run(cluster, "produce", stream_name, input=lines)
+    assert run(cluster, "consume", stream_name).stdout == lines
+    assert run(cluster, "consume", stream_name, "--max", "700").stdout.count(b"\n") == 700
