@@ -13,8 +13,7 @@ the first retained Kafka entry. To find the entry holding a fetch offset, ``Offs
 limit — and the gap between two points is binary-searched by reading single entries.
 
 Raw entries are read with ``RawReader``, a ``streams.consumer.Consumer`` whose replica selection,
-fail-over and fragment handling we reuse through ``_read_range`` (see docs/kafka.md for the public
-hook we asked for).
+fail-over and fragment handling we reuse through ``Consumer.read_raw``.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class RawReader(Consumer):
     """A consumer that hands back raw entries (envelope included) instead of decoded records."""
 
     async def entries(self, first: int, last: int):
-        return await self._read_range(first, last)
+        return await self.read_raw(first, last)
 
 
 class OffsetIndex:
@@ -118,7 +117,7 @@ class PartitionLog:
         self.reader = RawReader(self.client.cluster, meta, max_read_entries=self.config.max_read_entries,
                                 max_read_bytes=self.config.max_read_bytes)
         await self.reader.start_at(EARLIEST)
-        lac = self.producer._driver.writer.lac  # hook wanted: Producer.lac (see docs/kafka.md)
+        lac = self.producer.lac
         self.last_acked_entry = lac
         last = await self._last_batch_at_or_below(lac)
         self.next_offset = self.high_watermark = last.end_offset if last else 0

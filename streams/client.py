@@ -55,6 +55,16 @@ class Producer:
     def term(self) -> int:
         return self._driver.writer.term
 
+    @property
+    def stream_id(self) -> int:
+        """The ledger id of the stream this producer writes."""
+        return self._driver.writer.meta.ledger_id
+
+    @property
+    def lac(self) -> int:
+        """The last position this producer has had acknowledged (everything up to it is readable)."""
+        return self._driver.writer.lac
+
     def _encode(self, value, key, headers, timestamp_ms) -> bytes:
         raw = records.encode(value, key, headers, timestamp_ms)
         if len(raw) > self.max_entry_bytes:

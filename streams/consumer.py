@@ -92,6 +92,17 @@ class Consumer:
             self.position = result[-1].entry_id + 1
         return out
 
+    async def read_raw(self, first: int, last: int):
+        """Raw entries ``first..last`` (clipped to what one replica read returns), no-ops included.
+
+        Each item has ``entry_id``, ``data`` (the envelope: see ``terms.entry``) and ``entry_term``.
+        The caller keeps ``last`` at or below the LAC (``end_position() - 1``); this neither moves
+        the consumer's position nor decodes records. Used by the Kafka shim and the Spark source.
+        """
+        if first > last:
+            return []
+        return await self._read_range(first, last)
+
     def __aiter__(self):
         return self
 
