@@ -111,6 +111,17 @@ class Broker:
         resp_cls = codec.response_schema(req.api_key, req.api_version)
         return await self._handlers[req.api_key](req.body, resp_cls)
 
+    # ---------------------------------------------------------------- ownership (several shims)
+    async def coordinator_node(self, key_type: int, key: str) -> tuple[int, str, int]:
+        """(node id, host, port) of the shim coordinating ``key`` (a group when key_type is 0, a
+        transactional id when 1). Single-shim for now: always this one."""
+        c = self.config
+        return c.node_id, c.host, c.port
+
+    async def is_coordinator(self, key_type: int, key: str) -> bool:
+        """Whether this shim coordinates ``key`` now (requests elsewhere get NOT_COORDINATOR)."""
+        return True
+
     async def close(self) -> None:
         logs, self._logs = list(self._logs.values()), {}
         for p in logs:
