@@ -246,7 +246,15 @@ class WriterDriver:
             # take-over re-reads the metadata, which is safe whichever way the CAS went.
             log.warning("stream=%s metadata CAS (%s) failed: %s", self.name, c.reason, exc)
             version = None
-        self._feed(w, CasOk(version) if version is not None else CasConflict())
+        if version is not None:
+            self._feed(w, CasOk(version))
+            return
+        current = None
+        try:  # tell the writer what won: a change by a non-writer (retention, extra) is rebased over
+            current = await self.ledgers.get_ledger(c.ledger.ledger_id)
+        except Exception as exc:  # noqa: BLE001 - any failure: the writer treats the conflict as a take-over
+            log.debug("stream=%s re-reading the ledger after a CAS conflict failed: %s", self.name, exc)
+        self._feed(w, CasConflict(*current) if current is not None else CasConflict())
 
     # ---------------------------------------------------------------- outcomes
     def _acknowledge(self, last: int) -> None:

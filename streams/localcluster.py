@@ -98,13 +98,15 @@ class Proc:
 
 class LocalCluster:
     def __init__(self, data_dir: str | Path, bookies: int = 3, *, etcd_port: int | None = None,
-                 bookie_ports: list[int] | None = None, python: str | None = None, bookie_args: list[str] | None = None):
+                 bookie_ports: list[int] | None = None, python: str | None = None, bookie_args: list[str] | None = None,
+                 etcd_peer_port: int | None = None, bookie_metrics_ports: list[int] | None = None):
         self.dir = Path(data_dir).resolve()
         self.n = bookies
         self.python = python or sys.executable
         self.etcd_port = etcd_port or free_port()
-        self.etcd_peer_port = free_port()
+        self.etcd_peer_port = etcd_peer_port or free_port()
         self.bookie_ports = bookie_ports or [free_port() for _ in range(bookies)]
+        self.bookie_metrics_ports = bookie_metrics_ports
         self.bookie_args = bookie_args or []
         self.etcd: Proc | None = None
         self.bookies: list[Proc] = []
@@ -145,6 +147,8 @@ class LocalCluster:
         args = [self.python, "-m", "streams.cli", "bookie", "--data-dir", str(d), "--port", str(port),
                 "--bookie-id", f"bookie-{i}", "--metadata", self.metadata_url, "--log-level", "WARNING",
                 *self.bookie_args]
+        if self.bookie_metrics_ports:
+            args += ["--metrics-port", str(self.bookie_metrics_ports[i])]
         return Proc(f"bookie-{i}", args, port, d / "bookie.log")
 
     def start_bookie(self, i: int, wait: bool = True, timeout_s: float = 30.0) -> None:

@@ -147,7 +147,11 @@ class CasOk:
 
 @dataclass(frozen=True, slots=True)
 class CasConflict:
-    pass
+    """The ledger record was not at the expected version. ``current``/``version`` are what the
+    store holds now when the driver could read it (None: unknown, or the ledger is gone)."""
+
+    current: object | None = None  # LedgerMeta (typed loosely: messages stay model-agnostic)
+    version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,10 @@ from .quorum import coverage, write_set
 log = logging.getLogger(__name__)
 
 
+# CAS reasons a foreign (non-writer) change of the ledger record can be rebased over.
+REBASEABLE = frozenset({"open", "ensemble change", "rollover", "close"})
+
+
 class Phase(enum.Enum):
     TAKING_OVER = "taking-over"  # term CAS in flight
     FENCING = "fencing"
@@ -248,11 +252,34 @@ class LedgerWriter:
             self._after_fragment_commit()
 
     def _on_cas_conflict(self, ev: CasConflict) -> None:
+        if self._foreign_change(ev):
+            # Someone other than a writer changed the record (retention moved the first fragment,
+            # a layer above updated ``extra``): the term is still ours, so nobody took over.
+            # Rebase the pending change onto what the store holds and send it again.
+            cur = ev.current
+            keep = dict(first_fragment_index=cur.first_fragment_index, retention=cur.retention, extra=cur.extra)
+            self.ledger = self.ledger.with_(**keep)
+            self._cas_target = self._cas_target.with_(**keep)
+            self.version = ev.version
+            self._out.append(CasLedger(self.version, self._cas_target, self.dirty_sent, self.cas_reason))
+            return
         reason, self.cas_reason = self.cas_reason, None
         if self.phase in (Phase.TAKING_OVER, Phase.OPENING, Phase.FENCING, Phase.RECOVERING):
             self._abort(f"metadata changed under us during {reason}: someone else is taking over")
         else:
             self._withdraw(f"metadata changed under us during {reason}: the ledger was taken over", True)
+
+    def _foreign_change(self, ev: CasConflict) -> bool:
+        """Whether the conflicting write kept every field a writer owns (term, status, fragment
+        range, closing entry) as we last wrote or read them, so only fields owned by others
+        (first_fragment_index, retention, extra) moved. A take-over always raises the term."""
+        cur, mine = ev.current, self.ledger
+        if cur is None or ev.version is None or self.cas_reason not in REBASEABLE:
+            return False
+        return (cur.ledger_id == mine.ledger_id and cur.term == self.term == mine.term and cur.status == mine.status
+                and cur.last_fragment_index == mine.last_fragment_index and cur.last_entry_id == mine.last_entry_id
+                and cur.config == mine.config
+                and all(cur.first_fragment_index <= f.index for f in self.dirty_sent))
 
     # ------------------------------------------------------------------ fencing
     def _begin_fencing(self) -> None:

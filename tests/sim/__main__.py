@@ -14,17 +14,10 @@ import sys
 import time
 from dataclasses import asdict
 
-from terms.commands import UnsafeSwitches
-
-from .runner import Result, run_seed
+from .runner import Result
+from .runner import run_one as _one
 
 BROKEN = ("skip_truncate", "recovery_writes_at_ack_quorum", "skip_fencing")
-
-
-def _one(args: tuple[int, str | None, float]) -> Result:
-    seed, broken, scale = args
-    unsafe = UnsafeSwitches(**{broken: True}) if broken else None
-    return run_seed(seed, unsafe, scale)
 
 
 def sweep(first: int, count: int, broken: str | None = None, scale: float = 1.0, jobs: int | None = None,

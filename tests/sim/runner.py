@@ -89,3 +89,11 @@ def run_seed(seed: int, unsafe: UnsafeSwitches | None = None, scale: float = 1.0
     _, problems = checker.final_log()
     res.violations.extend(problems)
     return res
+
+
+def run_one(args: tuple[int, str | None, float]) -> Result:
+    """One seed of a sweep, ``(seed, broken switch or None, scale)``; importable by spawned workers
+    (a function of ``__main__`` is not, under ``python -m tests.sim``)."""
+    seed, broken, scale = args
+    unsafe = UnsafeSwitches(**{broken: True}) if broken else None
+    return run_seed(seed, unsafe, scale)

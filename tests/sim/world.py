@@ -294,6 +294,14 @@ class SimMeta:
         self.fragments = {0: Fragment(0, 0, ensemble, created_term=0)}
         self.changed = True
 
+    def foreign_touch(self) -> None:
+        """A non-writer (retention, a layer above) changes a field it owns: the version moves, the
+        term does not. Writers must rebase over it, not withdraw."""
+        n = self.ledger.extra.get("touches", 0) + 1
+        self.ledger = self.ledger.with_(extra={**self.ledger.extra, "touches": n})
+        self.version += 1
+        self.changed = True
+
     def current_fragments(self) -> list[Fragment]:
         lm = self.ledger
         return [self.fragments[i] for i in range(lm.first_fragment_index, lm.last_fragment_index + 1)]
@@ -303,7 +311,7 @@ class SimMeta:
 
     def cas(self, cmd: CasLedger, reply) -> None:
         if cmd.expected_version != self.version:
-            reply(CasConflict())
+            reply(CasConflict(self.ledger, self.version))
             return
         self.version += 1
         self.ledger = cmd.ledger
@@ -584,6 +592,8 @@ class World:
                 self.net.partitioned.add(frozenset((a, b)))
                 self.stats.partitions += 1
                 self.sim.after(r.uniform(5, 80) * MS, self.net.partitioned.discard, frozenset((a, b)))
+        if r.random() < 0.05:
+            self.meta.foreign_touch()
         self.sim.after(r.uniform(0.5, 2.0) * MS, self.fault_tick)
 
     def heal(self) -> None:

@@ -72,7 +72,7 @@ class Cluster:
     def _exec(self, w, c):
         if isinstance(c, CasLedger):
             if c.expected_version != self.version:
-                return w.handle(CasConflict())
+                return w.handle(CasConflict(self.ledger, self.version))
             self.version += 1
             self.ledger = c.ledger
             for f in c.fragments:

@@ -132,6 +132,40 @@ def test_rollover_seals_a_full_fragment_and_places_the_next():
     assert c.acked[-1] == 10 and len({b for f in frags for b in f.ensemble}) > 3  # spread out
 
 
+def test_a_foreign_change_of_the_record_is_rebased_over_not_taken_for_a_take_over():
+    """Retention (first_fragment_index) or a layer above (extra) CAS the ledger record while the
+    writer is open: its next rollover conflicts, rebases onto the new record and commits, keeping
+    their change; the writer stays open and keeps acknowledging."""
+    cfg = LedgerConfig(ensemble_size=3, write_quorum=3, ack_quorum=2, fragment_entries_max=4)
+    c = Cluster(n=6, config=cfg)
+    w = c.open_writer()
+    for i in range(6):
+        c.append(w, b"v%d" % i)
+    assert c.ledger.last_fragment_index >= 1
+    c.ledger = c.ledger.with_(extra={"spark": {"q": 3}}, first_fragment_index=1)  # someone else's CAS
+    c.version += 1
+    for i in range(6, 14):
+        c.append(w, b"v%d" % i)
+    assert w.phase is Phase.OPEN and c.acked[-1] == 14
+    assert c.ledger.extra == {"spark": {"q": 3}} and c.ledger.first_fragment_index == 1
+    assert c.ledger.last_fragment_index >= 3 and c.ledger.term == w.term
+
+
+def test_a_conflict_that_changed_the_term_still_withdraws_the_writer():
+    cfg = LedgerConfig(ensemble_size=3, write_quorum=3, ack_quorum=2, fragment_entries_max=4)
+    c = Cluster(n=6, config=cfg)
+    w = c.open_writer()
+    for i in range(3):
+        c.append(w, b"v%d" % i)
+    c.ledger = c.ledger.with_(term=c.ledger.term + 1, extra={"x": 1})  # a take-over's CAS
+    c.version += 1
+    last = c.ledger.last_fragment_index
+    with pytest.raises(NotWritable):
+        for i in range(6):
+            c.append(w, b"w%d" % i)
+    assert any(isinstance(x, Withdraw) for x in c.log) and c.ledger.last_fragment_index == last
+
+
 def test_backpressure_and_bounded_inflight():
     c = Cluster()
     w = c.open_writer(max_inflight_entries=2)
