@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	.venv/bin/scroll demo
+	.venv/bin/scroll standalone $(ARGS)
 
 test: setup
 	bash scripts/test.sh

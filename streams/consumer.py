@@ -88,7 +88,7 @@ class Consumer:
             result = await self._read_range(self.position, last)
             for e in result:
                 if not entry_codec.is_noop(e.data):
-                    out.append(records.decode(entry_codec.payload_of(e.data), e.entry_id, self.name))
+                    out.extend(records.decode_entry(entry_codec.payload_of(e.data), e.entry_id, self.name))
             self.position = result[-1].entry_id + 1
         return out
 

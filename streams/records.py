@@ -1,8 +1,10 @@
 """The record inside a data entry: what a producer appends and a consumer gets back.
 
-Layout (little overhead, no schema registry): ``0x01`` format version, timestamp in ms (uint64),
-key length (int32, -1 = none) and key, header count (uint16) and each header as name length
-(uint16) + name + value length (int32, -1 = none) + value, then the value to the end.
+Format 1, what the streams API writes (little overhead, no schema registry): ``0x01`` format
+version, timestamp in ms (uint64), key length (int32, -1 = none) and key, header count (uint16)
+and each header as name length (uint16) + name + value length (int32, -1 = none) + value, then the
+value to the end. Format 2 is a Kafka RecordBatch stored by the Kafka shim; ``decode_entry`` reads
+both (see ``streams/kafka_records.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def encode(value: bytes, key: bytes | None = None, headers=None, timestamp_ms: i
             parts.append(hv.encode() if isinstance(hv, str) else bytes(hv))
     parts.append(bytes(value))
     return b"".join(parts)
+
+
+def decode_entry(raw: bytes, position: int = -1, stream: str = "") -> list[Record]:
+    """The records of one data entry's payload: one for format 1 (written by the streams API),
+    the whole batch for format 2 (a Kafka RecordBatch stored by the Kafka shim)."""
+    if raw[:1] == b"\x02":
+        from .kafka_records import decode_kafka_entry
+
+        return decode_kafka_entry(raw, position, stream)
+    return [decode(raw, position, stream)]
 
 
 def decode(raw: bytes, position: int = -1, stream: str = "") -> Record:

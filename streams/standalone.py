@@ -1,0 +1,352 @@
+"""``scroll standalone``: a whole local platform in the foreground, data under one directory.
+
+How this works. ``Standalone`` starts, in order, an etcd server (``--data-dir``/etcd), three
+bookies (``--data-dir``/bookie-N, each with its own Prometheus endpoint) through
+``streams.localcluster.LocalCluster``, and the Kafka listener as a ``scroll kafka`` child process.
+Everything listens on 127.0.0.1 on fixed ports (so a restart finds the same endpoints and the
+fragments that name the bookies still resolve) and each port can be changed. In its own process
+it then serves a metrics endpoint (processes up, restarts, streams and their bytes, retention
+runs) and runs the retention job on a schedule. A child that dies is restarted (with a back-off)
+and the restart is counted and logged; Ctrl-C (SIGINT) or SIGTERM stops the Kafka listener, the
+bookies and etcd, in that order, and waits for each. Starting again on the same directory keeps
+the data. Ports already in use fail fast with a message naming the option that moves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from .localcluster import ClusterError, LocalCluster, Proc, _tail, _wait_port
+
+log = logging.getLogger("scroll.standalone")
+
+READY_LINE = "scroll standalone ready"
+
+
+@dataclass
+class StandaloneConfig:
+    data_dir: Path
+    kafka_port: int = 9092
+    etcd_port: int = 2379
+    etcd_peer_port: int = 2380
+    bookie_base_port: int = 3181
+    metrics_port: int = 9404
+    bookies: int = 3
+    retention_interval_s: float = 300.0
+    default_partitions: int = 1
+    restart_children: bool = True
+    extra_kafka_args: list[str] = field(default_factory=list)
+
+    @property
+    def bookie_ports(self) -> list[int]:
+        return [self.bookie_base_port + i for i in range(self.bookies)]
+
+    @property
+    def bookie_metrics_ports(self) -> list[int]:
+        return [self.metrics_port + 1 + i for i in range(self.bookies)]
+
+    @property
+    def metadata_url(self) -> str:
+        return f"etcd://127.0.0.1:{self.etcd_port}"
+
+    def ports(self) -> list[tuple[int, str]]:
+        out = [(self.etcd_port, "--etcd-port"), (self.etcd_peer_port, "--etcd-peer-port"),
+               (self.kafka_port, "--kafka-port"), (self.metrics_port, "--metrics-port")]
+        out += [(p, "--bookie-port") for p in self.bookie_ports]
+        out += [(p, "--metrics-port (bookie metrics use the next ports)") for p in self.bookie_metrics_ports]
+        return out
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+class Standalone:
+    def __init__(self, config: StandaloneConfig):
+        self.config = config
+        self.dir = config.data_dir.resolve()
+        self.cluster = LocalCluster(self.dir, bookies=config.bookies, etcd_port=config.etcd_port,
+                                    etcd_peer_port=config.etcd_peer_port, bookie_ports=config.bookie_ports,
+                                    bookie_metrics_ports=config.bookie_metrics_ports)
+        self.kafka: Proc | None = None
+        self.restarts: dict[str, int] = {}
+        self._metrics = None
+        self._metrics_server = None
+
+    # ---------------------------------------------------------------- start and stop
+    def check_ports(self) -> None:
+        taken = [(p, opt) for p, opt in self.config.ports() if not _port_free(p)]
+        if taken:
+            lines = "\n".join(f"  127.0.0.1:{p} (move it with {opt})" for p, opt in taken)
+            raise ClusterError(f"ports already in use — is another scroll standalone running?\n{lines}")
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.check_ports()
+        try:
+            self.cluster.start(timeout_s)
+            self.kafka = self._kafka_proc()
+            self._start_kafka(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _kafka_proc(self) -> Proc:
+        c = self.config
+        args = [sys.executable, "-m", "streams.cli", "kafka", "--metadata", c.metadata_url, "--host", "127.0.0.1",
+                "--port", str(c.kafka_port), "--default-partitions", str(c.default_partitions), *c.extra_kafka_args]
+        return Proc("kafka", args, c.kafka_port, self.dir / "kafka" / "kafka.log")
+
+    def _start_kafka(self, timeout_s: float) -> None:
+        self.kafka.start(self._child_env())
+        _wait_port(self.config.kafka_port, self.kafka.popen, "the Kafka listener", timeout_s, self.kafka.log)
+
+    def stop(self) -> None:
+        if self.kafka is not None:
+            self.kafka.stop()
+        self.cluster.stop()
+        if self._metrics_server is not None:
+            with contextlib.suppress(Exception):
+                self._metrics_server.shutdown()
+            self._metrics_server = None
+
+    def processes(self) -> list[Proc]:
+        out = [p for p in [self.cluster.etcd, *self.cluster.bookies, self.kafka] if p is not None]
+        return out
+
+    # ---------------------------------------------------------------- supervision
+    def supervise_once(self) -> list[str]:
+        """Restart any child that died; the names restarted."""
+        restarted = []
+        if not self.config.restart_children:
+            return restarted
+        if self.cluster.etcd is not None and not self.cluster.etcd.alive:
+            log.warning("etcd exited (%s); restarting it. Log: %s", self.cluster.etcd.popen.returncode,
+                        self.cluster.etcd.log)
+            self.cluster.start_etcd()
+            restarted.append("etcd")
+        for i, b in enumerate(self.cluster.bookies):
+            if not b.alive:
+                log.warning("%s exited (%s); restarting it. Log: %s\n%s", b.name, b.popen.returncode, b.log,
+                            _tail(b.log, 5))
+                self.cluster.start_bookie(i, wait=False)
+                restarted.append(b.name)
+        if self.kafka is not None and not self.kafka.alive:
+            log.warning("the Kafka listener exited (%s); restarting it. Log: %s\n%s", self.kafka.popen.returncode,
+                        self.kafka.log, _tail(self.kafka.log, 5))
+            self.kafka.start(self._child_env())
+            restarted.append("kafka")
+        for name in restarted:
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+        return restarted
+
+    @staticmethod
+    def _child_env() -> dict:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    # ---------------------------------------------------------------- metrics
+    def start_metrics(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        reg = CollectorRegistry()
+        m = {
+            "up": Gauge("scroll_process_up", "1 when the child process runs", ["process"], registry=reg),
+            "restarts": Gauge("scroll_process_restarts", "times standalone restarted the child", ["process"],
+                              registry=reg),
+            "streams": Gauge("scroll_streams", "streams in the metadata store", registry=reg),
+            "stream_bytes": Gauge("scroll_stream_bytes", "bytes in a stream's sealed fragments", ["stream"],
+                                  registry=reg),
+            "bookies": Gauge("scroll_live_bookies", "bookies registered in the metadata store", registry=reg),
+            "retention_runs": Counter("scroll_retention_runs", "retention job runs", ["outcome"], registry=reg),
+            "retention_bytes": Counter("scroll_retention_removed_bytes", "bytes removed by retention",
+                                       registry=reg),
+            "retention_fragments": Counter("scroll_retention_removed_fragments", "fragments removed by retention",
+                                           registry=reg),
+        }
+        self._metrics = m
+        server, _thread = start_http_server(self.config.metrics_port, addr="127.0.0.1", registry=reg)
+        self._metrics_server = server
+
+    def update_process_metrics(self) -> None:
+        if self._metrics is None:
+            return
+        for p in self.processes():
+            self._metrics["up"].labels(p.name).set(1 if p.alive else 0)
+            self._metrics["restarts"].labels(p.name).set(self.restarts.get(p.name, 0))
+
+    async def update_stream_metrics(self, client) -> None:
+        if self._metrics is None:
+            return
+        metas = await client.list_streams()
+        self._metrics["streams"].set(len(metas))
+        for meta in metas:
+            frags = await client.cluster.ledgers.fragments(meta.ledger_id, meta.first_fragment_index,
+                                                           meta.last_fragment_index)
+            self._metrics["stream_bytes"].labels(meta.name).set(sum(f.size_bytes or 0 for f in frags))
+        self._metrics["bookies"].set(len(await client.live_bookies()))
+
+    # ---------------------------------------------------------------- the foreground loop
+    def banner(self) -> str:
+        c = self.config
+        bookies = ", ".join(f"127.0.0.1:{p}" for p in c.bookie_ports)
+        bmetrics = ", ".join(f"http://127.0.0.1:{p}/metrics" for p in c.bookie_metrics_ports)
+        return "\n".join([
+            f"{READY_LINE}  (data in {self.dir}; Ctrl-C stops everything)",
+            f"  metadata (etcd)  {c.metadata_url}",
+            f"  bookies          {bookies}",
+            f"  kafka            127.0.0.1:{c.kafka_port}",
+            f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics})",
+            f"  retention        every {c.retention_interval_s:g} s  (scroll retention run --dry-run to preview)",
+            f"  logs             {self.dir}/*/*.log",
+            "try it:",
+            f"  echo hello | kcat -b 127.0.0.1:{c.kafka_port} -t greetings -P && "
+            f"kcat -b 127.0.0.1:{c.kafka_port} -t greetings -C -e",
+            f"  .venv/bin/python -c \"import streams.sync as s; c = s.connect('{c.metadata_url}'); "
+            "print([r.value for r in c.consumer('greetings-0').read(10)])\"",
+        ])
+
+    async def run_forever(self, stop: asyncio.Event) -> None:
+        from .client import connect
+
+        client = await connect(self.config.metadata_url)
+        next_retention = time.monotonic() + min(30.0, self.config.retention_interval_s)
+        next_stream_metrics = 0.0
+        backoff_until = 0.0
+        try:
+            while not stop.is_set():
+                now = time.monotonic()
+                if now >= backoff_until:
+                    restarted = await asyncio.to_thread(self.supervise_once)
+                    if restarted:
+                        backoff_until = now + 2.0
+                self.update_process_metrics()
+                if now >= next_stream_metrics:
+                    next_stream_metrics = now + 10.0
+                    try:
+                        await self.update_stream_metrics(client)
+                    except Exception as exc:  # noqa: BLE001 - metrics must never stop the platform
+                        log.debug("stream metrics: %s", exc)
+                if now >= next_retention:
+                    next_retention = now + self.config.retention_interval_s
+                    await self.retention_once(client)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    async def retention_once(self, client) -> None:
+        try:
+            from .retention import run_retention
+        except ImportError:  # pragma: no cover - the job ships with streams
+            return
+        try:
+            report = await run_retention(client)
+        except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
+            log.warning("retention run failed: %s", exc)
+            if self._metrics:
+                self._metrics["retention_runs"].labels("failed").inc()
+            return
+        if self._metrics:
+            self._metrics["retention_runs"].labels("ok").inc()
+            removed_bytes = int(getattr(report, "bytes_removed", 0) or 0)
+            removed_frags = int(getattr(report, "fragments_removed", 0) or 0)
+            self._metrics["retention_bytes"].inc(removed_bytes)
+            self._metrics["retention_fragments"].inc(removed_frags)
+
+
+def run(config: StandaloneConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    sa = Standalone(config)
+    click.echo(f"starting etcd, {config.bookies} bookies and the Kafka listener (data in {sa.dir}) ...")
+    # SIGINT/SIGTERM while starting: stop what started, cleanly.
+    stopping = {"now": False}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stopping["now"] = True
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sa.start()
+        sa.start_metrics()
+    except KeyboardInterrupt:
+        sa.stop()
+        click.echo("stopped")
+        return
+    except ClusterError as exc:
+        sa.stop()
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    click.echo(sa.banner())
+    sys.stdout.flush()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        await sa.run_forever(stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        click.echo("stopping the Kafka listener, the bookies and etcd ...")
+        sys.stdout.flush()
+        sa.stop()
+        click.echo("stopped; data kept in " + str(sa.dir))
+
+
+@click.command("standalone")
+@click.option("--data-dir", default="scroll-data", show_default=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Everything lives here (etcd/, bookie-N/, kafka/); starting again keeps the data.")
+@click.option("--kafka-port", default=9092, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--etcd-port", default=2379, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--etcd-peer-port", default=2380, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--bookie-port", "bookie_base_port", default=3181, show_default=True, type=click.IntRange(1, 65535),
+              help="First bookie's port; the others take the next ones.")
+@click.option("--metrics-port", default=9404, show_default=True, type=click.IntRange(1, 65535),
+              help="Metrics endpoint; the bookies' endpoints take the next ports.")
+@click.option("--bookies", default=3, show_default=True, type=click.IntRange(1, 9))
+@click.option("--retention-interval", "retention_interval_s", default=300.0, show_default=True, type=float,
+              help="Seconds between retention runs.")
+@click.option("--default-partitions", default=1, show_default=True, type=click.IntRange(1, 1000),
+              help="Partitions of a Kafka topic created on first use.")
+def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_peer_port: int, bookie_base_port: int,
+                       metrics_port: int, bookies: int, retention_interval_s: float, default_partitions: int) -> None:
+    """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
+    127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
+
+    \b
+    Examples:
+      scroll standalone
+      scroll standalone --data-dir /var/lib/scroll --kafka-port 19092
+    """
+    if retention_interval_s <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--retention-interval")
+    run(StandaloneConfig(data_dir=data_dir, kafka_port=kafka_port, etcd_port=etcd_port, etcd_peer_port=etcd_peer_port,
+                         bookie_base_port=bookie_base_port, metrics_port=metrics_port, bookies=bookies,
+                         retention_interval_s=retention_interval_s, default_partitions=default_partitions))

@@ -1,0 +1,132 @@
+"""The README's quick start, as a newcomer runs it: ``make run`` (``scroll standalone``) in the
+foreground, wait for it to say it is ready, produce and consume with kcat and with the Python API
+as its "try it" lines show, Ctrl-C it (SIGINT to the whole process group, as a terminal does),
+start it again on the same data directory and find everything still there."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(Path(sys.executable))
+
+pytestmark = pytest.mark.process
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _ports() -> dict[str, int]:
+    """A block of consecutive free ports: etcd, etcd peer, kafka, 3 bookies, metrics + 3."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000, 16)
+        if all(_free(base + i) for i in range(10)):
+            return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6}
+    raise RuntimeError("no free port block")
+
+
+class Run:
+    def __init__(self, data: Path, ports: dict[str, int]):
+        args = (f"--data-dir {data} --etcd-port {ports['etcd']} --etcd-peer-port {ports['peer']} "
+                f"--kafka-port {ports['kafka']} --bookie-port {ports['bookie']} --metrics-port {ports['metrics']} "
+                "--retention-interval 3600")
+        self.log = data.parent / f"run-{time.monotonic_ns()}.log"
+        self.out = open(self.log, "wb")
+        self.p = subprocess.Popen(["make", "--no-print-directory", "run", f"ARGS={args}"], cwd=ROOT,
+                                  stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            t = self.text()
+            if "scroll standalone ready" in t and "try it:" in t:
+                return t
+            if self.p.poll() is not None:
+                raise AssertionError(f"make run exited with {self.p.returncode}:\n{t}")
+            time.sleep(0.2)
+        raise AssertionError(f"not ready after {timeout_s}s:\n{self.text()}")
+
+    def ctrl_c(self, timeout_s: float = 60) -> int:
+        os.killpg(self.p.pid, signal.SIGINT)
+        try:
+            return self.p.wait(timeout_s)
+        finally:
+            self.out.close()
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait(10)
+        self.out.close()
+
+
+def kcat(port: int, *args, input: str | None = None) -> str:
+    return subprocess.run(["kcat", "-b", f"127.0.0.1:{port}", *args], input=input, capture_output=True, text=True,
+                          timeout=60, check=True).stdout
+
+
+def python(code: str) -> str:
+    return subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT).stdout
+
+
+def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
+    ports = _ports()
+    data = tmp_path / "scroll-data"
+    url = f"etcd://127.0.0.1:{ports['etcd']}"
+    run = Run(data, ports)
+    try:
+        banner = run.wait_ready()
+        assert f"kafka            127.0.0.1:{ports['kafka']}" in banner
+        assert re.search(r"kcat -b 127\.0\.0\.1:\d+ -t greetings -P", banner)
+        # the "try it" lines, then more of the same
+        kcat(ports["kafka"], "-t", "greetings", "-P", input="hello\n")
+        assert kcat(ports["kafka"], "-t", "greetings", "-C", "-e").splitlines() == ["hello"]
+        kcat(ports["kafka"], "-t", "greetings", "-P", "-K:", input="k1:one\nk2:two\n")
+        python(f"import streams.sync as s; c = s.connect({url!r}); c.create_stream('orders'); "
+               "p = c.producer('orders'); [p.append(b'order-%d' % i, key=b'c%d' % (i % 2)) for i in range(100)]; "
+               "p.close()")
+        got = python(f"import streams.sync as s; c = s.connect({url!r}); "
+                     "print([r.value for r in c.consumer('greetings-0').read(10)])")
+        assert got.strip() == "[b'hello', b'one', b'two']"
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).read().decode()
+        assert 'scroll_process_up{process="kafka"} 1.0' in metrics
+        assert run.ctrl_c() == 0
+        assert "stopped; data kept in" in run.text()
+        for p in (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"]):
+            assert _free(p), f"port {p} still bound after Ctrl-C"
+    finally:
+        run.kill()
+
+    run = Run(data, ports)  # again, on the same directory
+    try:
+        run.wait_ready()
+        out = kcat(ports["kafka"], "-t", "greetings", "-C", "-e", "-f", "%k=%s@%o\n")
+        assert out.splitlines() == ["=hello@0", "k1=one@1", "k2=two@2"]
+        got = python(f"import streams.sync as s; c = s.connect({url!r}); "
+                     "print(len([r for r in c.consumer('orders').read(1000)]))")
+        assert got.strip() == "100"
+        kcat(ports["kafka"], "-t", "greetings", "-P", input="after restart\n")
+        assert kcat(ports["kafka"], "-t", "greetings", "-C", "-e", "-o", "3").splitlines() == ["after restart"]
+        assert run.ctrl_c() == 0
+    finally:
+        run.kill()
