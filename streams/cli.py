@@ -298,9 +298,386 @@ def demo(seeds: int, first_seed: int) -> None:
     raise SystemExit(run_cli(["--seeds", str(seeds), "--first-seed", str(first_seed)]))
 
 
-from bookie.cli import bookie_command  # noqa: E402  (registered last: the bookie is its own package)
+# ---------------------------------------------------------------------------------------- admin helpers
+def _arun(metadata: str, fn):
+    """Connect the async client, run ``fn(client)`` and close; errors become one clear line."""
+    import asyncio
 
-main.add_command(bookie_command, "bookie")
+    from fragments.retention import InvalidPolicy
+    from fragments.store import MetadataError
+
+    from .client import connect
+    from .errors import ScrollError
+
+    async def go():
+        try:
+            client = await connect(metadata)
+        except Exception as exc:  # noqa: BLE001 - e.g. the metadata store is down: say so clearly
+            raise click.ClickException(f"cannot reach the metadata store at {metadata}: {exc}") from exc
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(go())
+    except (ScrollError, InvalidPolicy) as exc:
+        raise _fail(exc) from exc
+    except MetadataError as exc:
+        raise click.ClickException(f"metadata store {metadata}: {exc}") from exc
+
+
+class _Bar:
+    """A rich progress bar on stderr (stdout stays clean for --json); a no-op when disabled."""
+
+    def __init__(self, label: str, enabled: bool = True):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 console=Console(stderr=True), transient=True, disable=not enabled)
+        self.label = label
+        self.task = None
+
+    def __enter__(self):
+        self.progress.__enter__()
+        self.task = self.progress.add_task(self.label, total=None)
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def update(self, what: str, done: int, total: int) -> None:
+        self.progress.update(self.task, total=total, completed=done, description=f"{self.label} {what}".strip())
+
+
+def _span(indexes: list[int]) -> str:
+    if not indexes:
+        return "-"
+    return str(indexes[0]) if len(indexes) == 1 else f"{indexes[0]}..{indexes[-1]} ({len(indexes)})"
+
+
+# ---------------------------------------------------------------------------------------- retention
+@main.group()
+def retention() -> None:
+    """Per-stream retention policies and the job that removes old sealed fragments.
+
+    \b
+    Examples:
+      scroll retention set orders --max-age 7d --max-bytes 10GiB
+      scroll retention run --dry-run
+      scroll retention show orders
+    """
+
+
+@retention.command("run")
+@click.option("--stream", "stream_name", default=None, help="Only this stream (default: every stream).")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; change nothing.")
+@metadata_option
+@json_option
+def retention_run(stream_name, dry_run, metadata, as_json):
+    """Remove the sealed fragments that every stream's policy lets go (crash-safe, two-phase)."""
+    from .retention import run_retention
+
+    with _Bar("retention", enabled=not as_json) as bar:
+        def progress(stage, name, done, total):
+            bar.update(f"{stage} {name}" if stage != "done" else "", done, total)
+
+        report = _arun(metadata, lambda c: run_retention(c, stream_name, dry_run, progress))
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+        return
+    from rich.table import Table
+
+    verb = "would remove" if dry_run else "removed"
+    t = Table("stream", "fragments", "entries", "positions", "bytes", "new earliest", "note",
+              title=f"retention {'(dry run) ' if dry_run else ''}— {verb}")
+    for s in report.streams:
+        note = s.skipped or ("pending deletion finished" if s.completed_pending else "") or f"kept: {s.kept_because}"
+        if s.pending and not s.skipped:
+            note = f"pending deletion below {s.pending.get('below_entry')}"
+        t.add_row(s.stream, _span(s.fragments), str(s.entries),
+                  f"{s.first_entry}..{s.last_entry}" if s.fragments else "-", _size(s.bytes) if s.fragments else "-",
+                  str(s.new_earliest) if s.fragments else "-", note,
+                  style="yellow" if s.skipped else None)
+    _console().print(t)
+    click.echo(f"{verb} {report.fragments} fragments, {report.entries} entries, {_size(report.bytes)} "
+               f"(per replica; bookies reclaim the space in their GC)")
+
+
+@retention.command("set")
+@click.argument("stream_name", metavar="STREAM")
+@click.option("--max-age", help="Remove sealed fragments whose newest record is older than this (e.g. 12h, 7d).")
+@click.option("--max-bytes", help="Keep at least this much, remove older fragments beyond it (e.g. 500MB, 10GiB).")
+@click.option("--keep-from", type=click.IntRange(0), help="Remove sealed fragments wholly below this position.")
+@click.option("--ignore-consumers/--respect-consumers", "ignore_consumers", default=None,
+              help="Whether floors of layers above (Kafka consumer groups) may hold data back (default: respect).")
+@click.option("--clear", is_flag=True, help="Drop every setting first (then apply the ones given).")
+@metadata_option
+@json_option
+def retention_set(stream_name, max_age, max_bytes, keep_from, ignore_consumers, clear, metadata, as_json):
+    """Set STREAM's retention policy (settings not given are kept)."""
+    from fragments.retention import InvalidPolicy, Policy, parse_duration, parse_size
+
+    from .retention import set_policy
+
+    changes: dict = {k: None for k in ("max_age_s", "max_bytes", "keep_from", "respect_consumers")} if clear else {}
+    try:
+        if max_age is not None:
+            changes["max_age_s"] = parse_duration(max_age)
+        if max_bytes is not None:
+            changes["max_bytes"] = parse_size(max_bytes)
+    except InvalidPolicy as exc:
+        raise click.BadParameter(str(exc)) from exc
+    if keep_from is not None:
+        changes["keep_from"] = keep_from
+    if ignore_consumers is not None:
+        changes["respect_consumers"] = not ignore_consumers
+    meta = _arun(metadata, lambda c: set_policy(c, stream_name, changes))
+    policy = Policy.from_dict({k: v for k, v in meta.retention.items() if k != "deleting"}).to_dict()
+    if as_json:
+        click.echo(json.dumps({"stream": stream_name, "retention": policy}))
+    else:
+        click.echo(f"retention of {stream_name!r}: " + ", ".join(f"{k}={v}" for k, v in policy.items()))
+
+
+@retention.command("show")
+@click.argument("stream_name", metavar="STREAM")
+@metadata_option
+@json_option
+def retention_show(stream_name, metadata, as_json):
+    """Show STREAM's retention policy, earliest position and any deletion in progress."""
+    from fragments.retention import Policy
+
+    async def go(c):
+        info = await c.describe_stream(stream_name)
+        return info
+
+    info = _arun(metadata, go)
+    m = info.meta
+    d = {"stream": m.name, "retention": Policy.from_dict({k: v for k, v in m.retention.items() if k != "deleting"}).to_dict(),
+         "deleting": m.retention.get("deleting"), "earliest": info.fragments[0].first_entry_id if info.fragments else 0,
+         "first_fragment_index": m.first_fragment_index, "fragments": len(info.fragments),
+         "bytes_in_sealed_fragments": info.bytes}
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    for k, v in d.items():
+        click.echo(f"{k:>26}: {v}")
+
+
+# ---------------------------------------------------------------------------------------- admin
+@main.group()
+def ledger() -> None:
+    """Inspect a stream's ledger (metadata, fragments)."""
+
+
+@ledger.command("show")
+@click.argument("stream_name", metavar="STREAM")
+@metadata_option
+@json_option
+def ledger_show(stream_name, metadata, as_json):
+    """Metadata, term, status, config and every fragment (ensemble, range, size, created term)."""
+    from .admin import ledger_show as show
+
+    d = _arun(metadata, lambda c: show(c, stream_name))
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    from rich.table import Table
+
+    cfg = d["config"]
+    click.echo(f"stream {d['name']!r}  ledger {d['ledger_id']}  term {d['term']}  status {d['status']}  "
+               f"version {d['version']}")
+    click.echo(f"E/WQ/AQ {cfg['ensemble_size']}/{cfg['write_quorum']}/{cfg['ack_quorum']}  "
+               f"fragment caps {_size(cfg['fragment_bytes_max'])} / {cfg['fragment_entries_max']} entries")
+    click.echo(f"positions {d['earliest']}..{d['lac']} (LAC {d['lac']})  fragments {d['first_fragment_index']}.."
+               f"{d['last_fragment_index']}  retention {d['retention'] or '-'}  extra {d['extra'] or '-'}")
+    t = Table("fragment", "first", "last", "entries", "ensemble", "bytes", "created in term")
+    for f in d["fragments"]:
+        t.add_row(str(f["index"]), str(f["first_entry_id"]),
+                  str(f["last_entry_id"]) if f["sealed"] else "(open)", str(f["entries"]), ", ".join(f["ensemble"]),
+                  _size(f["size_bytes"]), str(f["created_term"]))
+    _console().print(t)
+
+
+@main.command("read")
+@click.argument("stream_name", metavar="STREAM")
+@click.option("--from", "first", type=click.IntRange(0), default=None, help="First position.")
+@click.option("--to", "last", type=click.IntRange(0), default=None, help="Last position (default: --from).")
+@click.option("--force-recovery", is_flag=True,
+              help="First take the stream over (fence, recover, truncate no-op) and close it; prints the new term and LAC.")
+@metadata_option
+@json_option
+def read_cmd(stream_name, first, last, force_recovery, metadata, as_json):
+    """Entries of STREAM as each replica of their write set holds them (mismatches highlighted)."""
+    from .admin import force_recovery as recover
+    from .admin import read_replicas
+
+    if first is None and not force_recovery:
+        raise click.UsageError("give --from (and --to), or --force-recovery")
+
+    async def go(c):
+        out = {}
+        if force_recovery:
+            out["recovery"] = await recover(c, stream_name)
+        if first is not None:
+            out.update(await read_replicas(c, stream_name, first, first if last is None else last))
+        return out
+
+    d = _arun(metadata, go)
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    if "recovery" in d:
+        r = d["recovery"]
+        click.echo(f"recovered {stream_name!r}: term {r['previous_term']} -> {r['term']}, LAC {r['lac']}")
+    if first is None:
+        return
+    from rich.table import Table
+
+    t = Table("entry", "fragment", "replicas (term stamp)", "size", "missing on", "preview",
+              title=f"{stream_name} (ledger {d['ledger']}, term {d['term']}, WQ {d['write_quorum']})")
+    for e in d["entries"]:
+        if "error" in e:
+            t.add_row(str(e["entry_id"]), "-", e["error"], "", "", "", style="yellow")
+            continue
+        reps = ", ".join(f"{b}:{r['term']}" for b, r in e["replicas"].items() if "term" in r)
+        style = "bold red" if e["mismatch"] else ("yellow" if e["missing"] else None)
+        t.add_row(str(e["entry_id"]), str(e["fragment"]), reps + ("  MISMATCH" if e["mismatch"] else ""),
+                  str(e["size"]), ", ".join(e["missing"]) or "-", e["preview"] or "", style=style)
+    _console().print(t)
+
+
+@main.command()
+@click.option("--entries", "-n", default=1000, show_default=True, type=click.IntRange(1), help="Entries to write.")
+@click.option("--size", default=100, show_default=True, type=click.IntRange(8), help="Bytes per entry.")
+@click.option("--ensemble", "-e", default=3, show_default=True)
+@click.option("--wq", "-w", "write_quorum", default=3, show_default=True)
+@click.option("--aq", "-a", "ack_quorum", default=2, show_default=True)
+@metadata_option
+@json_option
+def simpletest(entries, size, ensemble, write_quorum, ack_quorum, metadata, as_json):
+    """Write and read back N entries on a temporary stream; print latency and throughput."""
+    from .admin import simpletest as run
+
+    console = _console()
+    if as_json:
+        d = _arun(metadata, lambda c: run(c, entries, ensemble, write_quorum, ack_quorum, size))
+        click.echo(json.dumps(d))
+    else:
+        with console.status(f"writing {entries} entries of {size} bytes (E/WQ/AQ {ensemble}/{write_quorum}/{ack_quorum})"):
+            d = _arun(metadata, lambda c: run(c, entries, ensemble, write_quorum, ack_quorum, size))
+        from rich.table import Table
+
+        t = Table("", "", title=f"simpletest on {', '.join(d['bookies'])}")
+        t.add_row("entries written / read back", f"{d['entries']} / {d['read_back']}")
+        t.add_row("verified", "[green]yes[/green]" if d["verified"] else "[bold red]NO[/bold red]")
+        t.add_row("take-over (open)", f"{d['open_s'] * 1000:.1f} ms")
+        t.add_row("write", f"{d['write_s']:.3f} s, {d['write_entries_per_s']:.0f} entries/s")
+        t.add_row("add latency p50 / p99 / max",
+                  f"{d['latency_ms']['p50']:.2f} / {d['latency_ms']['p99']:.2f} / {d['latency_ms']['max']:.2f} ms")
+        t.add_row("read", f"{d['read_s']:.3f} s, {d['read_entries_per_s']:.0f} entries/s")
+        console.print(t)
+    if not d["verified"]:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--fix", is_flag=True, help="Re-replicate sealed fragments that are under the write quorum.")
+@click.option("--stream", "stream_name", default=None, help="Only this stream.")
+@metadata_option
+@json_option
+def check(fix, stream_name, metadata, as_json):
+    """Find fragments with entries under the write quorum (exit 1 if any remain)."""
+    from .admin import check as run
+
+    with _Bar("check", enabled=not as_json) as bar:
+        found = _arun(metadata, lambda c: run(c, fix, stream_name, bar.update))
+    remaining = [f for f in found if not (f["action"].startswith("re-replicated") and not f["error"])]
+    if as_json:
+        click.echo(json.dumps({"fragments": found, "ok": not remaining}))
+    else:
+        from rich.table import Table
+
+        t = Table("stream", "fragment", "entries", "ensemble", "under WQ", "missing", "gone", "action",
+                  title="under-replicated fragments" if found else "every fragment has its write quorum")
+        for f in found:
+            rng = f"{f['first_entry_id']}..{f['last_entry_id'] if f['sealed'] else '(open)'}"
+            t.add_row(f["stream"], str(f["fragment"]), rng, ", ".join(f["ensemble"]), str(f["under_replicated"]),
+                      ", ".join(f"{b}:{n}" for b, n in f["missing"].items()), ", ".join(f["gone"]) or "-",
+                      f["error"] or f["action"] + (f" -> {', '.join(f['new_ensemble'])}" if f["new_ensemble"] else ""),
+                      style="red" if f["error"] else ("green" if f in found and f not in remaining else "yellow"))
+        _console().print(t)
+    if remaining:
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------- bookie
+def _bookie_group() -> click.Group:
+    """``scroll bookie [OPTIONS]`` runs a bookie (unchanged); ``scroll bookie decommission ID``
+    manages one. The server's options are those of ``bookie.cli.bookie_command``."""
+    import copy
+
+    from bookie.cli import bookie_command
+
+    params = []
+    for p in bookie_command.params:
+        q = copy.copy(p)
+        if q.name == "data_dir":
+            q.required = False
+        params.append(q)
+
+    @click.pass_context
+    def run(ctx, **kw):
+        if ctx.invoked_subcommand is not None:
+            return
+        if kw.get("data_dir") is None:
+            raise click.UsageError("Missing option '--data-dir' (to run a bookie), or a command (decommission).")
+        ctx.invoke(bookie_command, **kw)
+
+    return click.Group(
+        "bookie", params=params, callback=run, invoke_without_command=True,
+        help="Run one bookie (storage server): scroll bookie --data-dir D --port P ...\n\n"
+             "Or manage bookies: scroll bookie decommission BOOKIE_ID.",
+        short_help="Run a bookie, or decommission one.",
+    )
+
+
+bookie_group = _bookie_group()
+main.add_command(bookie_group, "bookie")
+
+
+@bookie_group.command("decommission")
+@click.argument("bookie_id")
+@click.option("--no-takeover", is_flag=True,
+              help="Leave open fragments that name the bookie alone (by default such streams are taken over).")
+@metadata_option
+@json_option
+def decommission(bookie_id, no_takeover, metadata, as_json):
+    """Move every fragment off BOOKIE_ID (stop the bookie first to also move open fragments)."""
+    from .admin import decommission as run
+
+    with _Bar(f"decommission {bookie_id}", enabled=not as_json) as bar:
+        d = _arun(metadata, lambda c: run(c, bookie_id, takeover=not no_takeover, progress=bar.update))
+    if as_json:
+        click.echo(json.dumps(d))
+    else:
+        from rich.table import Table
+
+        t = Table("stream", "fragment", "moved to", "entries copied", "note", title=f"decommission {bookie_id}")
+        for m in d["moved"]:
+            t.add_row(m["stream"], str(m["fragment"]), m["to"] or "-", str(m["entries"]), m.get("note", ""))
+        for m in d["left"]:
+            t.add_row(m["stream"], str(m["fragment"]), "-", "-", m["reason"], style="yellow")
+        for m in d["errors"]:
+            t.add_row(m["stream"], str(m["fragment"]), "-", "-", m["error"], style="red")
+        _console().print(t)
+        for r in d["takeovers"]:
+            click.echo(f"took over {r['stream']!r}: term {r['previous_term']} -> {r['term']}")
+        click.echo(f"{bookie_id}: " + ("no fragment names it any more" if d["done"] else "NOT done (see above)"))
+    if not d["done"]:
+        sys.exit(1)
 
 
 def _plugins() -> None:

@@ -54,3 +54,30 @@ def test_kafka_batches_read_back_as_records_through_the_streams_api(kafka_cluste
 def test_a_corrupt_kafka_entry_is_a_clear_error():
     with pytest.raises(RecordFormatError, match="truncated|bad"):
         decode_kafka_entry(b"\x02" + b"\x00" * 12 + b"\x00" * 20, 5)
+
+
+def test_retention_ages_kafka_batches_by_their_record_timestamps(kafka_cluster, shim, topic):
+    """Retention's max_age reads the newest record timestamp of a fragment's last entry; for a
+    Kafka topic that entry is a batch, so the age comes from the batch's records."""
+    import dataclasses
+
+    from streams.retention import fragment_last_timestamp
+
+    p = Producer({"bootstrap.servers": shim.bootstrap, "acks": "all", "linger.ms": 20})
+    base = 1_600_000_000_000
+    for i in range(5):
+        p.produce(topic, value=b"v%d" % i, timestamp=base + i * 1000)
+    assert p.flush(30) == 0
+
+    async def go():
+        client = await connect(kafka_cluster.metadata_url)
+        try:
+            info = await client.describe_stream(f"{topic}-0")
+            c = await client.consumer(f"{topic}-0")
+            lac = await c.end_position() - 1
+            frag = dataclasses.replace(info.fragments[-1], last_entry_id=lac)  # as if sealed at the LAC
+            return await fragment_last_timestamp(client.cluster, info.meta, frag)
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) == base + 4000

@@ -1,0 +1,418 @@
+"""The retention job: remove the sealed fragments a stream's policy lets go, crash-safely.
+
+    report = await run_retention(client)                       # every stream
+    report = await run_retention(client, "orders", dry_run=True)
+    await apply(client, "orders", keep_from=1200)              # one-shot: drop what is below 1200
+
+What goes is decided by the pure ``fragments.retention.evaluate`` (read its docstring for the
+rules); this module gathers its inputs (the visible fragments, the floors of layers above, the
+timestamps of fragments' last records) and carries the decision out.
+
+**Floors.** Layers above register async callables ``(client, meta) -> int | None`` in the entry
+point group ``scroll.retention_floors`` (the Kafka shim's committed consumer-group offsets, say):
+the lowest position they still need. They are consulted unless the policy says
+``respect_consumers: false``. A floor that cannot be loaded or raises makes the job skip that
+stream with a warning: an error never deletes anything.
+
+**Age** comes from the timestamp of a fragment's last record (``streams.records``), read from one
+of its replicas; no-ops are skipped (up to a few entries back); an entry that is not a Scroll
+record (a Kafka shim batch) has no known age, which keeps it (use ``max_bytes``/``keep_from``).
+
+**Deletion is two-phase**, so a crash at any point leaves either the old state or a state the next
+run finishes:
+
+1. *Mark.* One CAS of the ledger record that changes only ``first_fragment_index`` (to the first
+   fragment kept) and ``retention["deleting"]`` = {from_index, below_index, below_entry, bookies,
+   started_ms}. From here on readers see the new earliest position at once (a reader below it gets
+   ``DataRemovedError``); the removed fragments' records still exist but are outside the visible
+   range. A writer's concurrent CAS (rollover, ensemble change) is rebased over this change by the
+   writer (``terms.writer``: a CAS that keeps the term and only moves first_fragment_index,
+   retention or extra is not a take-over); term, status, last_fragment_index and last_entry_id are
+   never touched here.
+2. *Trim.* Every bookie of the removed fragments' ensembles (recorded in the mark) is told to delete
+   the ledger's entries ``0 .. below_entry - 1`` (idempotent); live bookies outside those ensembles
+   get the same trim best-effort (they can only hold leftovers). A bookie that is down leaves the
+   mark in place: the next run retries the trims before doing anything else for that stream, so no
+   orphan entries stay behind on a bookie that was down (it is retried, not trimmed on restart from
+   metadata). The bookie reclaims the disk space in its GC (``bookie/gc.py``: logs whose live share
+   falls under ``gc_live_threshold`` are compacted, empty logs deleted).
+3. *Drop.* The removed fragment records are deleted and the mark cleared in one CAS (records beyond
+   one transaction's limit are deleted first, in batches; they are invisible already).
+
+A run first finishes any mark it finds, then evaluates the policy again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+from bookie.errors import BookieError
+from fragments.ledgers import LedgerStore, NoSuchLedger, fragment_key
+from fragments.model import Fragment, LedgerMeta
+from fragments.retention import DELETING, Decision, InvalidPolicy, Policy, evaluate
+from fragments.store import MetadataError
+from terms import entry as entry_codec
+from terms.reader import copy_is_current, read_order
+
+from . import records
+from .errors import InvalidArgument, NoSuchStream
+
+log = logging.getLogger(__name__)
+
+FLOOR_GROUP = "scroll.retention_floors"
+_CAS_ATTEMPTS = 20
+_DROP_BATCH = 100
+_TIMESTAMP_LOOKBACK = 8
+
+Floor = Callable  # async (client, meta) -> int | None
+Progress = Callable[[str, str, int, int], None]  # (stage, stream, done, total)
+
+
+@dataclass
+class StreamReport:
+    stream: str
+    ledger_id: int
+    dry_run: bool = False
+    fragments: list[int] = field(default_factory=list)  # indexes removed (or that would be)
+    first_entry: int | None = None
+    last_entry: int | None = None
+    entries: int = 0
+    bytes: int = 0
+    new_earliest: int | None = None
+    kept_because: str = ""
+    completed_pending: list[int] = field(default_factory=list)  # fragments of an interrupted run finished now
+    pending: dict | None = None  # a mark still in place (a bookie could not be trimmed)
+    skipped: str | None = None  # why nothing was done (a floor failed, bad policy, ...)
+    floors: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RetentionReport:
+    streams: list[StreamReport]
+    dry_run: bool = False
+
+    @property
+    def fragments(self) -> int:
+        return sum(len(s.fragments) for s in self.streams)
+
+    @property
+    def entries(self) -> int:
+        return sum(s.entries for s in self.streams)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.streams)
+
+    def to_dict(self) -> dict:
+        return {"dry_run": self.dry_run, "fragments": self.fragments, "entries": self.entries, "bytes": self.bytes,
+                "streams": [s.to_dict() for s in self.streams]}
+
+
+class RetentionIncomplete(Exception):
+    """Phase 2 could not reach every bookie: the mark stays and the next run retries."""
+
+
+# ------------------------------------------------------------------------------------ floors
+def load_floors(extra: Iterable[Floor] = (), *, include_entry_points: bool = True) -> list[tuple[str, Floor]]:
+    """The floors of the entry point group, plus ``extra`` (tests, embedders). A floor that cannot
+    be loaded is kept as one that always fails, so the streams it would protect are skipped."""
+    from importlib.metadata import entry_points
+
+    out: list[tuple[str, Floor]] = []
+    for ep in entry_points(group=FLOOR_GROUP) if include_entry_points else ():
+        try:
+            out.append((ep.name, ep.load()))
+        except Exception as exc:  # noqa: BLE001 - any import failure must block deletion, not crash the job
+            out.append((ep.name, _broken_floor(ep.name, ep.value, exc)))
+    for i, fn in enumerate(extra):
+        out.append((getattr(fn, "__name__", f"extra-{i}"), fn))
+    return out
+
+
+def _broken_floor(name: str, value: str, exc: Exception) -> Floor:
+    async def broken(client, meta):
+        raise RuntimeError(f"retention floor {name!r} ({value}) cannot be loaded: {exc!r}")
+
+    return broken
+
+
+async def _floor_values(client, meta: LedgerMeta, floors: list[tuple[str, Floor]]) -> list[int]:
+    values = []
+    for name, fn in floors:
+        try:
+            v = fn(client, meta)
+            if inspect.isawaitable(v):
+                v = await v
+        except Exception as exc:
+            raise RuntimeError(f"retention floor {name!r} failed: {exc}") from exc
+        if v is not None:
+            values.append(int(v))
+    return values
+
+
+# ------------------------------------------------------------------------------------ the job
+async def run_retention(client, stream: str | None = None, dry_run: bool = False, progress: Progress | None = None,
+                        *, floors: list[tuple[str, Floor]] | None = None, now_ms: int | None = None,
+                        _fault: Callable[[str], None] | None = None) -> RetentionReport:
+    """Apply every stream's retention policy (or only ``stream``'s). ``floors``: None loads the
+    entry point group. ``_fault`` is a test hook called after each phase ("marked", "trimmed",
+    "trimmed:<bookie>") that may raise to simulate a crash there."""
+    floors = load_floors() if floors is None else floors
+    if stream is not None:
+        names = [stream]
+    else:
+        names = [m.name for m in await client.list_streams()]
+    reports = []
+    for i, name in enumerate(names):
+        if progress:
+            progress("stream", name, i, len(names))
+        try:
+            rep = await _run_stream(client, name, None, dry_run, floors, now_ms, progress, _fault)
+        except NoSuchLedger:
+            if stream is not None:
+                raise NoSuchStream(f"no stream named {name!r}") from None
+            continue  # deleted while we ran
+        except MetadataError as exc:
+            if stream is not None:
+                raise
+            log.warning("stream=%s retention skipped: %s", name, exc)  # the other streams still run
+            rep = StreamReport(name, -1, dry_run, skipped=f"metadata error: {exc}")
+        reports.append(rep)
+    if progress:
+        progress("done", "", len(names), len(names))
+    return RetentionReport(reports, dry_run)
+
+
+async def apply(client, stream_name: str, keep_from: int, *, dry_run: bool = False,
+                floors: list[tuple[str, Floor]] | None = None, respect_consumers: bool | None = None,
+                _fault: Callable[[str], None] | None = None) -> StreamReport:
+    """Remove the sealed fragments wholly below ``keep_from`` now, whatever the stored policy says
+    (floors still apply unless the stream's policy, or ``respect_consumers``, turns them off)."""
+    if not isinstance(keep_from, int) or keep_from < 0:
+        raise InvalidArgument(f"keep_from must be a position >= 0, got {keep_from!r}")
+    try:
+        meta, _ = await client.cluster.ledgers.get_ledger(stream_name)
+    except NoSuchLedger:
+        raise NoSuchStream(f"no stream named {stream_name!r}") from None
+    respect = Policy.from_dict(_policy_part(meta.retention)).respect_consumers if respect_consumers is None \
+        else respect_consumers
+    override = Policy(keep_from=keep_from, respect_consumers=respect)
+    floors = load_floors() if floors is None else floors
+    return await _run_stream(client, stream_name, override, dry_run, floors, None, None, _fault)
+
+
+def _policy_part(retention: dict) -> dict:
+    return {k: v for k, v in (retention or {}).items() if k != DELETING}
+
+
+async def _run_stream(client, name: str, override: Policy | None, dry_run: bool, floors, now_ms, progress,
+                      fault) -> StreamReport:
+    ledgers: LedgerStore = client.cluster.ledgers
+    meta, version = await ledgers.get_ledger(name)
+    rep = StreamReport(name, meta.ledger_id, dry_run)
+    mark = meta.retention.get(DELETING)
+    if mark is not None:
+        if dry_run:
+            rep.pending = mark
+        else:
+            try:
+                rep.completed_pending = await _finish(client, meta.ledger_id, mark, progress, fault)
+            except RetentionIncomplete as exc:
+                rep.pending, rep.skipped = mark, str(exc)
+                log.warning("stream=%s retention: %s", name, exc)
+                return rep
+    for _attempt in range(_CAS_ATTEMPTS):
+        meta, version = await ledgers.get_ledger(meta.ledger_id)
+        try:
+            policy = override or Policy.from_dict(_policy_part(meta.retention))
+        except InvalidPolicy as exc:
+            rep.skipped = f"invalid retention policy: {exc}"
+            log.warning("stream=%s retention skipped: %s", name, rep.skipped)
+            return rep
+        if not policy.active:
+            rep.kept_because = "no retention policy"
+            return rep
+        frags = await ledgers.fragments(meta.ledger_id, meta.first_fragment_index, meta.last_fragment_index)
+        try:
+            fl = await _floor_values(client, meta, floors) if policy.respect_consumers else []
+        except RuntimeError as exc:
+            rep.skipped = str(exc)
+            log.warning("stream=%s retention skipped (nothing deleted): %s", name, exc)
+            return rep
+        rep.floors = fl
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        stamps = await _last_timestamps(client, meta, frags, policy, now) if policy.max_age_s is not None else {}
+        decision = evaluate(policy, frags, now, fl, stamps)
+        _describe(rep, decision)
+        if not decision.remove or dry_run:
+            return rep
+        new_mark = {
+            "from_index": meta.first_fragment_index,
+            "below_index": decision.new_first_index,
+            "below_entry": decision.new_earliest,
+            "bookies": sorted({b for f in decision.remove for b in f.ensemble}),
+            "started_ms": now,
+        }
+        retention = dict(meta.retention)
+        retention[DELETING] = new_mark
+        marked = meta.with_(first_fragment_index=decision.new_first_index, retention=retention)
+        if await ledgers.cas_ledger(marked, (), version) is None:
+            continue  # the writer (or someone) changed the record: look again
+        log.info("stream=%s retention: removing fragments %s..%s (entries < %s)", name, new_mark["from_index"],
+                 new_mark["below_index"] - 1, new_mark["below_entry"])
+        if fault:
+            fault("marked")
+        try:
+            await _finish(client, meta.ledger_id, new_mark, progress, fault)
+        except RetentionIncomplete as exc:
+            rep.pending, rep.skipped = new_mark, str(exc)
+            log.warning("stream=%s retention: %s", name, exc)
+        return rep
+    rep.skipped = "the ledger record kept changing; retried next run"
+    return rep
+
+
+def _describe(rep: StreamReport, d: Decision) -> None:
+    rep.fragments = [f.index for f in d.remove]
+    rep.entries = d.entries
+    rep.bytes = d.bytes
+    rep.first_entry = d.remove[0].first_entry_id if d.remove else None
+    rep.last_entry = d.remove[-1].last_entry_id if d.remove else None
+    rep.new_earliest = d.new_earliest
+    rep.kept_because = d.kept_because
+
+
+async def _finish(client, ledger_id: int, mark: dict, progress: Progress | None, fault) -> list[int]:
+    """Phases 2 and 3 for a mark: trim the bookies, drop the records, clear the mark."""
+    cluster = client.cluster
+    below = int(mark["below_entry"])
+    required = list(mark.get("bookies", []))
+    regs = await cluster.refresh_bookies()
+    extra = [r.bookie_id for r in regs if r.bookie_id not in required]
+    failed = []
+    targets = required + extra
+    for i, b in enumerate(targets):
+        if progress:
+            progress("trim", b, i, len(targets))
+        if below <= 0:
+            continue
+        bc = cluster.client(b)
+        try:
+            if bc is None:
+                raise BookieError(f"bookie {b} is not registered")
+            await bc.trim(ledger_id, 0, below - 1)
+        except BookieError as exc:
+            if b in required:
+                failed.append(f"{b}: {exc}")
+            else:
+                log.info("ledger=%d best-effort trim on %s failed: %s", ledger_id, b, exc)
+            continue
+        if fault and b in required:
+            fault(f"trimmed:{b}")
+    if failed:
+        raise RetentionIncomplete(f"could not trim entries < {below} on {'; '.join(failed)}; "
+                                  f"the deletion mark stays and the next run retries")
+    if fault:
+        fault("trimmed")
+    return await _drop(cluster.ledgers, ledger_id, mark)
+
+
+async def _drop(ledgers: LedgerStore, ledger_id: int, mark: dict) -> list[int]:
+    indexes = list(range(int(mark["from_index"]), int(mark["below_index"])))
+    head, tail = indexes[:-_DROP_BATCH] if len(indexes) > _DROP_BATCH else [], indexes[-_DROP_BATCH:]
+    for i in range(0, len(head), _DROP_BATCH):
+        keys = tuple(fragment_key(ledger_id, j) for j in head[i:i + _DROP_BATCH])
+        await ledgers.store.txn({}, {}, keys)
+    for _attempt in range(_CAS_ATTEMPTS):
+        meta, version = await ledgers.get_ledger(ledger_id)
+        if meta.retention.get(DELETING) != mark:
+            return indexes  # someone else finished it
+        retention = {k: v for k, v in meta.retention.items() if k != DELETING}
+        if await ledgers.cas_ledger(meta.with_(retention=retention), (), version, drop_fragments=tail) is not None:
+            return indexes
+    raise MetadataError(f"ledger {ledger_id}: could not clear the retention mark (the record kept changing)")
+
+
+# ------------------------------------------------------------------------------------ ages
+async def _last_timestamps(client, meta: LedgerMeta, frags: list[Fragment], policy: Policy,
+                           now_ms: int) -> dict[int, int | None]:
+    """Timestamps of the last records of the front fragments, read only until the first one that
+    is too young (or unknown): the walk in ``evaluate`` stops there anyway."""
+    out: dict[int, int | None] = {}
+    limit = now_ms - policy.max_age_s * 1000
+    for f in frags[:-1]:
+        if not f.sealed:
+            break
+        ts = await fragment_last_timestamp(client.cluster, meta, f)
+        out[f.index] = ts
+        if ts is None or ts > limit:
+            break
+    return out
+
+
+async def fragment_last_timestamp(cluster, meta: LedgerMeta, f: Fragment) -> int | None:
+    """The timestamp of the newest record in a sealed fragment (None: none readable/decodable)."""
+    eid = f.last_entry_id
+    stop = max(f.first_entry_id, eid - _TIMESTAMP_LOOKBACK)
+    while eid >= stop:
+        data = await _read_entry(cluster, meta, f, eid)
+        if data is None:
+            return None
+        if not entry_codec.is_noop(data):
+            try:
+                recs = records.decode_entry(entry_codec.payload_of(data), eid)  # a Kafka batch holds several
+            except (records.RecordFormatError, ValueError):
+                return None
+            if recs:
+                return max(r.timestamp_ms for r in recs)
+        eid -= 1
+    return None
+
+
+async def _read_entry(cluster, meta: LedgerMeta, f: Fragment, eid: int) -> bytes | None:
+    await cluster.refresh_bookies(max_age_s=1.0)
+    for b in read_order(f, eid, meta.config.write_quorum):
+        bc = cluster.client(b)
+        if bc is None:
+            continue
+        try:
+            r = await bc.read(meta.ledger_id, eid, eid)
+        except BookieError:
+            continue
+        if r.entries and r.entries[0].entry_id == eid and copy_is_current(f, r.entries[0].entry_term):
+            return r.entries[0].data
+    return None
+
+
+async def set_policy(client, stream_name: str, changes: dict) -> LedgerMeta:
+    """Merge ``changes`` (None values remove a setting) into the stream's retention policy, by CAS
+    of the ``retention`` field only."""
+    ledgers: LedgerStore = client.cluster.ledgers
+    for _attempt in range(_CAS_ATTEMPTS):
+        try:
+            meta, version = await ledgers.get_ledger(stream_name)
+        except NoSuchLedger:
+            raise NoSuchStream(f"no stream named {stream_name!r}") from None
+        retention = dict(meta.retention)
+        for k, v in changes.items():
+            if v is None:
+                retention.pop(k, None)
+            else:
+                retention[k] = v
+        try:
+            Policy.from_dict(_policy_part(retention))
+        except InvalidPolicy as exc:
+            raise InvalidArgument(str(exc)) from exc
+        new = meta.with_(retention=retention)
+        if await ledgers.cas_ledger(new, (), version) is not None:
+            return new
+        await asyncio.sleep(0.01)
+    raise MetadataError(f"stream {stream_name!r}: the ledger record kept changing")
