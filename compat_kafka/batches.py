@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import crc32c
 
-from .errors import CorruptMessage, UnsupportedForMessageFormat
+from .errors import CorruptMessage, InvalidRequest, UnsupportedForMessageFormat
 
 KAFKA_ENTRY = 0x02
 _ENTRY_HEAD = struct.Struct(">bqi")  # marker, base offset, offset count
@@ -37,7 +37,12 @@ _OFF_ATTRIBUTES = 21
 _OFF_LAST_DELTA = 23
 _OFF_MAX_TIMESTAMP = 35
 _OFF_PRODUCER_ID = 43
+_OFF_PRODUCER_EPOCH = 51
+_OFF_BASE_SEQUENCE = 53
 _OFF_COUNT = 57
+_I16 = struct.Struct(">h")
+_ATTR_TRANSACTIONAL = 0x10
+_ATTR_CONTROL = 0x20
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +50,24 @@ class Batch:
     raw: bytes
     offset_count: int  # lastOffsetDelta + 1
     max_timestamp: int
-    producer_id: int
+    producer_id: int  # -1: not an idempotent batch
+    producer_epoch: int = -1
+    base_sequence: int = -1
+
+    @property
+    def last_sequence(self) -> int:
+        return increment_sequence(self.base_sequence, self.offset_count - 1)
+
+
+def increment_sequence(seq: int, n: int) -> int:
+    """Kafka's sequence arithmetic: int32 sequences wrap from 2**31-1 to 0."""
+    return (seq + n) % (1 << 31)
+
+
+def producer_fields(raw: bytes) -> tuple[int, int, int]:
+    """(producer id, producer epoch, base sequence) of a RecordBatch's header."""
+    return (_I64.unpack_from(raw, _OFF_PRODUCER_ID)[0], _I16.unpack_from(raw, _OFF_PRODUCER_EPOCH)[0],
+            _I32.unpack_from(raw, _OFF_BASE_SEQUENCE)[0])
 
 
 def split_batches(records: bytes, max_batches: int = 10_000) -> list[Batch]:
@@ -71,8 +93,14 @@ def split_batches(records: bytes, max_batches: int = 10_000) -> list[Batch]:
         if last_delta < 0 or count < 0 or count > last_delta + 1:
             raise CorruptMessage(f"record batch at byte {pos}: {count} records, lastOffsetDelta {last_delta}")
         (max_ts,) = _I64.unpack_from(raw, _OFF_MAX_TIMESTAMP)
-        (pid,) = _I64.unpack_from(raw, _OFF_PRODUCER_ID)
-        out.append(Batch(raw, last_delta + 1, max_ts, pid))
+        pid, epoch, seq = producer_fields(raw)
+        if raw[_OFF_ATTRIBUTES + 1] & (_ATTR_TRANSACTIONAL | _ATTR_CONTROL):
+            raise InvalidRequest(f"record batch at byte {pos} is transactional or a control batch: "
+                                 "transactions are not supported")
+        if pid >= 0 and (epoch < 0 or seq < 0):
+            raise InvalidRequest(f"record batch at byte {pos}: producer id {pid} with epoch {epoch}, "
+                                 f"base sequence {seq}")
+        out.append(Batch(raw, last_delta + 1, max_ts, pid, epoch, seq))
         if len(out) > max_batches:
             raise CorruptMessage(f"more than {max_batches} record batches in one partition's records")
         pos = end
@@ -99,6 +127,11 @@ class StoredBatch:
     def max_timestamp(self) -> int:
         return _I64.unpack_from(self.raw, _OFF_MAX_TIMESTAMP)[0]
 
+    def producer(self) -> tuple[int, int, int, int]:
+        """(producer id, epoch, first sequence, last sequence) as the producer wrote them."""
+        pid, epoch, seq = producer_fields(self.raw)
+        return pid, epoch, seq, increment_sequence(seq, self.offset_count - 1)
+
 
 def decode_entry(entry_id: int, data: bytes) -> StoredBatch | None:
     """A stored entry (envelope included) -> its batch, or None for a no-op or a non-Kafka entry."""
@@ -106,6 +139,15 @@ def decode_entry(entry_id: int, data: bytes) -> StoredBatch | None:
         return None
     _, base, count = _ENTRY_HEAD.unpack_from(data, 1)
     return StoredBatch(entry_id, base, count, bytes(data[1 + ENTRY_HEAD_BYTES :]))
+
+
+def entry_parts(data: bytes) -> tuple[int, int, memoryview] | None:
+    """A stored entry -> (base offset, offset count, the batch after its baseOffset field) without
+    copying the batch (for fetch responses: the patched baseOffset goes in front); None for a no-op."""
+    if len(data) < 1 + ENTRY_HEAD_BYTES or data[0] != _ENVELOPE_DATA or data[1] != KAFKA_ENTRY:
+        return None
+    _, base, count = _ENTRY_HEAD.unpack_from(data, 1)
+    return base, count, memoryview(data)[1 + ENTRY_HEAD_BYTES + 8 :]
 
 
 def patch_base_offset(raw: bytes, base_offset: int) -> bytes:

@@ -6,13 +6,22 @@ None for an acks=0 produce, which gets no answer). Topics live in the metadata s
 the stream ``t-p``. Partitions are opened on first use (``PartitionLog.open``, a take-over), kept
 open, and re-opened after their writer fails. Fetch long-polls on this shim's own appends: the
 shim is the only writer of every partition it serves, so an acknowledged append is what moves a
-high watermark. This shim always names itself (node 0) leader of every partition and controller.
+high watermark.
+
+Several shims (``compat_kafka.ownership``): each registers as a broker under a lease and serves only
+the partitions it owns (claimed under its lease on first use when it is the preferred node);
+Metadata names every live shim and each partition's owner as its leader, the lowest live node id
+as controller; Produce/Fetch/ListOffsets for a partition owned elsewhere answer
+NOT_LEADER_OR_FOLLOWER. Group coordinators are placed the same way (``coordinator_node``,
+``is_coordinator``). InitProducerId hands out producer ids (``compat_kafka.producer_ids``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import re
@@ -25,22 +34,31 @@ from kio.schema.errors import ErrorCode
 from streams.errors import NoSuchStream, StreamExists
 
 from . import codec
+from .admin import Admin, check_topic_configs
 from .batches import split_batches
 from .codec import ZERO_MS, build, nested
 from .errors import (
+    DropConnection,
     InvalidPartitions,
     InvalidRequest,
     InvalidRequiredAcks,
     InvalidTopic,
     KafkaError,
+    NotLeaderOrFollower,
     RequestTimedOut,
     TopicAlreadyExists,
     UnknownTopicOrPartition,
     code_for,
 )
+from .groups import GroupConfig, GroupCoordinator
+from .ownership import OWNERS, Ownership, coordinator_key, partition_key
 from .partition import PartitionConfig, PartitionLog, stream_name
+from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
 
 log = logging.getLogger(__name__)
+
+# kio resolves a schema through importlib on every call (~3% of the shim's CPU under produce load)
+_response_schema = functools.lru_cache(maxsize=None)(codec.response_schema)
 
 TOPIC_KEY_PREFIX = "kafka/topics/"
 _TOPIC_NAME = re.compile(r"^[a-zA-Z0-9._-]{1,200}$")
@@ -49,8 +67,13 @@ _TOPIC_NAME = re.compile(r"^[a-zA-Z0-9._-]{1,200}$")
 @dataclass(frozen=True)
 class BrokerConfig:
     host: str = "127.0.0.1"  # advertised in Metadata (IPv4: some clients resolve localhost to ::1)
-    port: int = 9092
-    node_id: int = 0
+    port: int = 9092  # 0: the port the server listens on
+    node_id: int | None = 0  # None: allocate one from the metadata store
+    lease_ttl_s: float = 10.0  # broker registration and ownership lease
+    producer_id_block: int = 1000
+    # test-only fault injection: close the connection instead of answering every Nth produce request
+    # that carries idempotent batches (after storing them), so that clients retry for real
+    drop_produce_response_every: int = 0
     cluster_id: str = "scroll"
     default_partitions: int = 1
     auto_create_topics: bool = True
@@ -62,6 +85,7 @@ class BrokerConfig:
     max_fetch_wait_ms: int = 30_000
     max_produce_timeout_ms: int = 60_000
     partition: PartitionConfig = field(default_factory=PartitionConfig)
+    groups: GroupConfig = field(default_factory=GroupConfig)
 
     def __post_init__(self):
         if not 1 <= self.default_partitions <= self.max_partitions:
@@ -70,6 +94,10 @@ class BrokerConfig:
             raise ValueError("need 1 <= ack_quorum <= write_quorum <= ensemble")
         if self.max_fetch_bytes < 1024 or self.max_fetch_wait_ms < 0:
             raise ValueError("invalid fetch limits")
+        if self.lease_ttl_s < 1.0:
+            raise ValueError("lease_ttl_s must be at least 1 s")
+        if self.node_id is not None and not 0 <= self.node_id < 2**31:
+            raise ValueError(f"node_id must be 0..2**31-1, not {self.node_id}")
 
 
 @dataclass(frozen=True)
@@ -97,6 +125,10 @@ class Broker:
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._opening: dict[tuple[str, int], asyncio.Future] = {}
         self._appended = asyncio.Event()
+        c = self.config
+        self.ownership = Ownership(self.store, c.host, c.port, c.node_id, c.lease_ttl_s, on_lost=self._on_lost)
+        self.producer_ids = ProducerIdAllocator(self.store, c.producer_id_block)
+        self._idempotent_produces = itertools.count(1)
         self._handlers = {
             codec.API_API_VERSIONS: self.api_versions,
             codec.API_METADATA: self.metadata,
@@ -105,27 +137,52 @@ class Broker:
             codec.API_LIST_OFFSETS: self.list_offsets,
             codec.API_CREATE_TOPICS: self.create_topics,
             codec.API_DELETE_TOPICS: self.delete_topics,
+            codec.API_INIT_PRODUCER_ID: self.init_producer_id,
         }
+        self.groups = GroupCoordinator(self, self.config.groups)  # consumer groups (groups.py)
+        self.admin = Admin(self)  # configs, partitions, cluster (admin.py)
+        self._handlers.update(self.groups.handlers())
+        self._handlers.update(self.admin.handlers())
 
     async def handle(self, req: codec.Request) -> Any:
-        resp_cls = codec.response_schema(req.api_key, req.api_version)
+        resp_cls = _response_schema(req.api_key, req.api_version)
+        codec.set_client_id(req.client_id)
         return await self._handlers[req.api_key](req.body, resp_cls)
 
     # ---------------------------------------------------------------- ownership (several shims)
+    @property
+    def node_id(self) -> int:
+        return self.ownership.node_id
+
+    async def start(self, port: int | None = None) -> None:
+        """Register as a broker (``port``: the port actually listened on, when configured as 0)."""
+        if port is not None and self.config.port == 0:
+            self.ownership.port = port
+        await self.ownership.start()
+
     async def coordinator_node(self, key_type: int, key: str) -> tuple[int, str, int]:
         """(node id, host, port) of the shim coordinating ``key`` (a group when key_type is 0, a
-        transactional id when 1). Single-shim for now: always this one."""
-        c = self.config
-        return c.node_id, c.host, c.port
+        transactional id when 1): the holder of its coordinator key, else the preferred live shim."""
+        b = await self.ownership.owner(coordinator_key(key_type, key)) or self.ownership.me
+        return b.node_id, b.host, b.port
 
     async def is_coordinator(self, key_type: int, key: str) -> bool:
-        """Whether this shim coordinates ``key`` now (requests elsewhere get NOT_COORDINATOR)."""
-        return True
+        """Whether this shim coordinates ``key`` now, claiming it if it is unowned and this shim is
+        the preferred one (requests elsewhere get NOT_COORDINATOR)."""
+        return await self.ownership.claim(coordinator_key(key_type, key))
+
+    def _on_lost(self, resources: set[str]) -> None:
+        """Our lease expired (we were paused or cut off): every partition may have moved."""
+        logs, self._logs = list(self._logs.values()), {}
+        for p in logs:
+            asyncio.ensure_future(p.close())
 
     async def close(self) -> None:
         logs, self._logs = list(self._logs.values()), {}
         for p in logs:
             await p.close()
+        await self.groups.close()
+        await self.ownership.close()
 
     # ---------------------------------------------------------------- topics and partitions
     async def topic(self, name: str) -> TopicMeta | None:
@@ -144,7 +201,7 @@ class Broker:
             raise InvalidPartitions(f"partitions must be 1..{self.config.max_partitions}, not {partitions}")
         if await self.topic(name) is not None:
             raise TopicAlreadyExists(f"topic {name!r} already exists")
-        meta = TopicMeta(name, partitions, uuid.uuid4(), configs)
+        meta = TopicMeta(name, partitions, uuid.uuid4(), check_topic_configs(configs))  # InvalidConfig
         if validate_only:
             return meta
         c = self.config
@@ -152,6 +209,7 @@ class Broker:
             # a stream left over by an interrupted create or delete is reused
             with contextlib.suppress(StreamExists):
                 await self.client.create_stream(stream_name(name, p), c.ensemble, c.write_quorum, c.ack_quorum)
+        await self.admin.apply_retention(name, range(partitions), meta.configs)  # retention.ms/bytes -> streams
         if await self.store.create(TOPIC_KEY_PREFIX + name, meta.encode()) is None:
             raise TopicAlreadyExists(f"topic {name!r} already exists")
         log.info("topic=%s created with %d partitions", name, partitions)
@@ -165,14 +223,19 @@ class Broker:
                 await plog.close()
             with contextlib.suppress(NoSuchStream):
                 await self.client.delete_stream(stream_name(meta.name, p))
+        for prefix in (f"{OWNERS}{meta.name}/", f"{PRODUCER_STATE_PREFIX}{meta.name}/"):
+            for k, _ in await self.store.list_prefix(prefix):
+                self.ownership.held.discard(k)
+                await self.store.delete(k)
         log.info("topic=%s deleted", meta.name)
 
     async def partition(self, topic: str, index: int) -> PartitionLog:
         key = (topic, index)
         plog = self._logs.get(key)
-        if plog is not None and plog.usable:
+        owned = self.ownership.owns(partition_key(topic, index))
+        if plog is not None and plog.usable and owned:
             return plog
-        if plog is not None:  # its writer failed: take the stream over again
+        if plog is not None and not plog.usable:  # its writer failed: take the stream over again (if still ours)
             del self._logs[key]
             asyncio.ensure_future(plog.close())
         opening = self._opening.get(key)
@@ -183,11 +246,25 @@ class Broker:
         return await asyncio.shield(opening)
 
     async def _open(self, topic: str, index: int) -> PartitionLog:
+        plog = self._logs.get((topic, index))
+        if plog is not None and plog.usable:  # open, but our lease was not known valid for a moment
+            if self.ownership.owns(partition_key(topic, index)):
+                return plog
+            raise NotLeaderOrFollower(f"{topic}-{index} is not served by node {self.node_id} now")
         meta = await self.topic(topic)
         if meta is None or not 0 <= index < meta.partitions:
             raise UnknownTopicOrPartition(f"unknown topic or partition {topic}-{index}")
+        if not await self.ownership.claim(partition_key(topic, index)):
+            raise NotLeaderOrFollower(f"{topic}-{index} is owned by another shim (this is node {self.node_id})")
         plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append)
-        await plog.open()
+        try:
+            await plog.open()
+        except BaseException:
+            await plog.close()
+            raise
+        if not self.ownership.owns(partition_key(topic, index)):  # lost while opening
+            await plog.close()
+            raise NotLeaderOrFollower(f"{topic}-{index}: node {self.node_id} lost its lease while opening")
         self._logs[(topic, index)] = plog
         return plog
 
@@ -219,21 +296,27 @@ class Broker:
                     metas.append((None, UnknownTopicOrPartition("topic ids are not resolved yet")))
                     continue
                 metas.append((name, await self._topic_or_create(name, allow)))
+        live = await self.ownership.brokers(max_age_s=0.5)
+        if not live:  # our own registration is being renewed: name ourselves rather than nobody
+            live = [self.ownership.me]
         topics = []
         for name, m in metas:
             if isinstance(m, BaseException):
                 topics.append(build(topic_cls, error_code=code_for(m), name=name, topic_id=None, is_internal=False,
                                     partitions=()))
                 continue
-            parts = tuple(
-                build(part_cls, error_code=ErrorCode.none, partition_index=p, leader_id=c.node_id, leader_epoch=-1,
-                      replica_nodes=(c.node_id,), isr_nodes=(c.node_id,), offline_replicas=())
-                for p in range(m.partitions))
+            holders = await self.ownership.owners(f"{OWNERS}{m.name}/")
+            parts = []
+            for p in range(m.partitions):
+                key = partition_key(m.name, p)
+                leader = (self.ownership.owner_among(key, holders.get(key), live) or live[0]).node_id
+                parts.append(build(part_cls, error_code=ErrorCode.none, partition_index=p, leader_id=leader,
+                                   leader_epoch=-1, replica_nodes=(leader,), isr_nodes=(leader,), offline_replicas=()))
             topics.append(build(topic_cls, error_code=ErrorCode.none, name=m.name, topic_id=m.topic_id,
-                                is_internal=False, partitions=parts))
-        brokers = (build(broker_cls, node_id=c.node_id, host=c.host, port=c.port, rack=None),)
+                                is_internal=False, partitions=tuple(parts)))
+        brokers = tuple(build(broker_cls, node_id=b.node_id, host=b.host, port=b.port, rack=None) for b in live)
         return build(resp_cls, throttle_time=ZERO_MS, brokers=brokers, cluster_id=c.cluster_id,
-                     controller_id=c.node_id, topics=tuple(topics))
+                     controller_id=live[0].node_id, topics=tuple(topics))
 
     async def _topic_or_create(self, name: str, allow_create: bool) -> TopicMeta | BaseException:
         try:
@@ -255,6 +338,7 @@ class Broker:
         pending: list[tuple[str, int, int, list, PartitionLog]] = []
         results: dict[tuple[str, int], tuple[BaseException | None, int, int]] = {}
         order = [(t.name, p.index) for t in req.topic_data for p in t.partition_data]
+        idempotent = False
         for t in req.topic_data:
             for p in t.partition_data:
                 try:
@@ -263,6 +347,7 @@ class Broker:
                     if req.transactional_id is not None:
                         raise InvalidRequest("transactions are not supported")
                     batches = split_batches(p.records or b"")
+                    idempotent = idempotent or any(b.producer_id >= 0 for b in batches)
                     plog = await self.partition(t.name, p.index)
                     base, futs = await plog.append(batches)
                     pending.append((t.name, p.index, base, futs, plog))
@@ -273,6 +358,10 @@ class Broker:
             results[(name, index)] = await self._await_acks(futs, base, plog, timeout_s)
             if results[(name, index)][0] is not None:
                 self._log_error("produce", name, index, results[(name, index)][0])
+        every = self.config.drop_produce_response_every
+        if every and idempotent and next(self._idempotent_produces) % every == 0:
+            log.info("test fault injection: dropping the response to a produce request (batches stored)")
+            raise DropConnection("test fault injection: produce response dropped")
         if req.acks == 0:
             return None
         by_topic: dict[str, list] = {}
@@ -302,6 +391,24 @@ class Broker:
         else:
             log.warning("%s topic=%s partition=%d: %r", what, topic, index, exc)
 
+    # ---------------------------------------------------------------- InitProducerId
+    async def init_producer_id(self, req, resp_cls):
+        if req.transactional_id is not None:
+            log.info("init_producer_id: refusing transactional id %r: transactions are not supported",
+                     req.transactional_id)
+            return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.invalid_request, producer_id=-1,
+                         producer_epoch=-1)
+        try:
+            pid, epoch = await self.producer_ids.init(getattr(req, "producer_id", -1),
+                                                      getattr(req, "producer_epoch", -1))
+        except Exception as exc:
+            self._log_error("init_producer_id", "-", -1, exc)
+            return build(resp_cls, throttle_time=ZERO_MS, error_code=code_for(exc), producer_id=-1,
+                         producer_epoch=-1)
+        log.info("init_producer_id: producer id %d epoch %d", pid, epoch)
+        return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, producer_id=pid,
+                     producer_epoch=epoch)
+
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, req, resp_cls):
         loop = asyncio.get_running_loop()
@@ -318,23 +425,36 @@ class Broker:
                 await asyncio.wait_for(appended.wait(), remaining)
         return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, session_id=0, responses=topics)
 
+    async def _read_partition(self, topic: str, index: int, offset: int, room: int):
+        try:
+            plog = await self.partition(topic, index)
+            hw, start = plog.high_watermark, plog.log_start
+            return await plog.read(offset, max(room, 1)), None, hw, start
+        except Exception as exc:
+            self._log_error("fetch", topic, index, exc)
+            return b"", exc, -1, -1
+
     async def _fetch_once(self, req, resp_cls, max_bytes: int):
+        """Partitions are read concurrently (each up to its own limit); a partition whose records
+        would take the response over ``max_bytes`` gets none this time (the first one always has
+        its whole first batch, as in Kafka), and the client fetches it again."""
         topic_cls = nested(resp_cls, "FetchableTopicResponse")
         part_cls = nested(resp_cls, "PartitionData")
+        jobs = [(t.topic, p.partition, p.fetch_offset, min(p.partition_max_bytes, max_bytes))
+                for t in req.topics for p in t.partitions]
+        if len(jobs) == 1:
+            reads = iter([await self._read_partition(*jobs[0])])
+        else:
+            reads = iter(await asyncio.gather(*(self._read_partition(*j) for j in jobs)))
         total, errors, topics = 0, 0, []
         for t in req.topics:
             parts = []
             for p in t.partitions:
-                records, error, hw, start = b"", None, -1, -1
-                try:
-                    plog = await self.partition(t.topic, p.partition)
-                    hw, start = plog.high_watermark, plog.log_start
-                    room = min(p.partition_max_bytes, max_bytes - total)
-                    if room > 0 or total == 0:
-                        records = await plog.read(p.fetch_offset, max(room, 1))
-                except Exception as exc:
-                    self._log_error("fetch", t.topic, p.partition, exc)
-                    error, errors = exc, errors + 1
+                records, error, hw, start = next(reads)
+                if error is not None:
+                    errors += 1
+                if total and total + len(records) > max_bytes:
+                    records = b""
                 total += len(records)
                 parts.append(build(
                     part_cls, partition_index=p.partition, error_code=code_for(error) if error else ErrorCode.none,

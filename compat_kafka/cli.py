@@ -1,4 +1,10 @@
-"""``scroll kafka``: run the Kafka-protocol shim in front of a Scroll cluster."""
+"""``scroll kafka``: run the Kafka-protocol shim in front of a Scroll cluster.
+
+Several shims can serve one cluster: each registers as a broker (``--node-id``, unique among live
+shims; by default one is allocated from the metadata store) advertising ``--advertised-host`` and
+its port, and serves the partitions it owns (see ``compat_kafka.ownership``). ``--lease-ttl`` is how
+long a dead shim keeps its partitions before the others take them over.
+"""
 
 from __future__ import annotations
 
@@ -38,20 +44,30 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
 
 @click.command("kafka")
 @click.option("--metadata", "metadata_url", required=True, help="metadata store URL, e.g. etcd://127.0.0.1:2379")
-@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on and advertise")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", default=9092, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--advertised-host", default="127.0.0.1", show_default=True,
+              help="host name clients are told to connect to (in Metadata and FindCoordinator)")
+@click.option("--node-id", default=None, type=click.IntRange(0, 2**31 - 1),
+              help="broker node id, unique among live shims [default: allocate one]")
+@click.option("--lease-ttl", default=10.0, show_default=True, type=click.FloatRange(1.0, 300.0),
+              help="seconds: registration/ownership lease; a dead shim's partitions move after it")
+@click.option("--test-drop-produce-response-every", default=0, hidden=True, type=click.IntRange(0),
+              help="test-only fault injection: drop the connection instead of answering every Nth idempotent produce")
 @click.option("--default-partitions", default=1, show_default=True, type=click.IntRange(1, 1000),
               help="partitions of an auto-created topic (and of CreateTopics with -1)")
 @click.option("--no-auto-create", is_flag=True, help="do not create unknown topics on Metadata requests")
 @click.option("--max-frame-bytes", default=64 << 20, show_default=True, type=click.IntRange(1024, 1 << 30))
-def kafka_command(metadata_url: str, host: str, port: int, default_partitions: int, no_auto_create: bool,
-                  max_frame_bytes: int) -> None:
+def kafka_command(metadata_url: str, host: str, port: int, advertised_host: str, node_id: int | None,
+                  lease_ttl: float, test_drop_produce_response_every: int, default_partitions: int,
+                  no_auto_create: bool, max_frame_bytes: int) -> None:
     """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes)
-        broker_config = BrokerConfig(host=host, port=port, default_partitions=default_partitions,
-                                     auto_create_topics=not no_auto_create)
+        broker_config = BrokerConfig(host=advertised_host, port=port, node_id=node_id, lease_ttl_s=lease_ttl,
+                                     default_partitions=default_partitions, auto_create_topics=not no_auto_create,
+                                     drop_produce_response_every=test_drop_produce_response_every)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     asyncio.run(serve(metadata_url, server_config, broker_config))

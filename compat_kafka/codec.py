@@ -16,6 +16,7 @@ ranges (clients then retry at a version we speak); any other unknown key or vers
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import datetime
 import io
@@ -35,11 +36,29 @@ API_PRODUCE = 0
 API_FETCH = 1
 API_LIST_OFFSETS = 2
 API_METADATA = 3
+API_OFFSET_COMMIT = 8
+API_OFFSET_FETCH = 9
+API_FIND_COORDINATOR = 10
+API_JOIN_GROUP = 11
+API_HEARTBEAT = 12
+API_LEAVE_GROUP = 13
+API_SYNC_GROUP = 14
+API_DESCRIBE_GROUPS = 15
+API_LIST_GROUPS = 16
 API_API_VERSIONS = 18
 API_CREATE_TOPICS = 19
 API_DELETE_TOPICS = 20
+API_INIT_PRODUCER_ID = 22
+API_DESCRIBE_CONFIGS = 32
+API_ALTER_CONFIGS = 33
+API_CREATE_PARTITIONS = 37
+API_DELETE_GROUPS = 42
+API_INCREMENTAL_ALTER_CONFIGS = 44
+API_DESCRIBE_CLUSTER = 60
 
-# The versions we serve, per api key (checked against kcat/librdkafka 2.0 and confluent-kafka 2.16).
+# The versions we serve, per api key (checked against kcat/librdkafka 2.0, confluent-kafka 2.16,
+# aiokafka 0.14 and kafka-python 3.0; bounded below/above by the kio 0.6.5 schemas: OffsetCommit
+# v0-1, OffsetFetch v0 and DescribeConfigs v0 have none; clients negotiate the highest common one).
 SUPPORTED: dict[int, tuple[int, int]] = {
     API_PRODUCE: (3, 12),
     API_FETCH: (4, 12),
@@ -48,7 +67,38 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     API_API_VERSIONS: (0, 3),
     API_CREATE_TOPICS: (2, 7),
     API_DELETE_TOPICS: (1, 6),
+    # consumer groups (groups.py)
+    API_FIND_COORDINATOR: (0, 5),
+    API_JOIN_GROUP: (0, 9),
+    API_SYNC_GROUP: (0, 5),
+    API_HEARTBEAT: (0, 4),
+    API_LEAVE_GROUP: (0, 5),
+    API_OFFSET_COMMIT: (2, 9),
+    API_OFFSET_FETCH: (1, 9),
+    API_LIST_GROUPS: (0, 5),
+    API_DESCRIBE_GROUPS: (0, 5),
+    API_DELETE_GROUPS: (0, 2),
+    # admin (admin.py)
+    API_DESCRIBE_CONFIGS: (1, 4),
+    API_ALTER_CONFIGS: (0, 2),
+    API_INCREMENTAL_ALTER_CONFIGS: (0, 1),
+    API_CREATE_PARTITIONS: (0, 3),
+    API_DESCRIBE_CLUSTER: (0, 1),
+    # idempotent producers (producer_ids.py)
+    API_INIT_PRODUCER_ID: (0, 5),
 }
+
+# The client id of the request being handled (set by ``Broker.handle``; each request runs in its
+# own task, so its own context): group members are named after it, as Kafka does.
+_CLIENT_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("kafka_client_id", default=None)
+
+
+def set_client_id(client_id: str | None) -> None:
+    _CLIENT_ID.set(client_id)
+
+
+def current_client_id() -> str | None:
+    return _CLIENT_ID.get()
 
 MAX_FRAME_BYTES = 64 << 20
 _SIZE = struct.Struct(">i")

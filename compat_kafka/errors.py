@@ -98,6 +98,29 @@ class KafkaStorageError(KafkaError):
     retriable = True
 
 
+class OutOfOrderSequenceNumber(KafkaError):
+    """An idempotent batch whose first sequence does not follow the producer's last one."""
+
+    code = ErrorCode.out_of_order_sequence_number
+
+
+class InvalidProducerEpoch(KafkaError):
+    """An idempotent batch from an older epoch of its producer id (a fenced producer instance)."""
+
+    code = ErrorCode.invalid_producer_epoch
+
+
+class UnknownProducerId(KafkaError):
+    """A non-zero sequence from a producer id this partition has no state for."""
+
+    code = ErrorCode.unknown_producer_id
+
+
+class CoordinatorNotAvailable(KafkaError):
+    code = ErrorCode.coordinator_not_available
+    retriable = True
+
+
 # Kafka code -> our exception class (for tests and for clients of this package).
 ERROR_CLASSES: dict[ErrorCode, type[KafkaError]] = {
     cls.code: cls
@@ -105,6 +128,7 @@ ERROR_CLASSES: dict[ErrorCode, type[KafkaError]] = {
         OffsetOutOfRange, CorruptMessage, UnknownTopicOrPartition, NotLeaderOrFollower, RequestTimedOut,
         MessageTooLarge, InvalidTopic, NotEnoughReplicas, TopicAlreadyExists, InvalidPartitions,
         InvalidRequiredAcks, UnsupportedVersion, InvalidRequest, UnsupportedForMessageFormat, KafkaStorageError,
+        OutOfOrderSequenceNumber, InvalidProducerEpoch, UnknownProducerId, CoordinatorNotAvailable,
     )
 }
 
@@ -148,6 +172,10 @@ class FrameTooLarge(ProtocolError):
 
 class CorruptRequest(ProtocolError):
     pass
+
+
+class DropConnection(ProtocolError):
+    """Test-only fault injection: close the connection instead of answering (the work is done)."""
 
 
 class UnsupportedRequest(ProtocolError):

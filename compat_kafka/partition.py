@@ -14,23 +14,41 @@ limit — and the gap between two points is binary-searched by reading single en
 
 Raw entries are read with ``RawReader``, a ``streams.consumer.Consumer`` whose replica selection,
 fail-over and fragment handling we reuse through ``Consumer.read_raw``.
+
+Idempotent producers (``compat_kafka.producer_ids``). Batches carrying a producer id are checked
+against the partition's producer state before they are queued; a retry of a stored batch is
+answered with its original base offset and not stored again. The state must survive a take-over,
+so it is rebuilt on open: from a snapshot of the *acknowledged* state, kept in its own metadata key
+``kafka/producer-state/<topic>/<partition>`` (JSON: stream id, entry id it is exact up to, term of
+the writer, producers), then by scanning the entries after the snapshot up to the LAC — each
+stored batch still carries producerId/epoch/baseSequence in its header. The owner rewrites the
+snapshot (compare-and-set) every ``snapshot_interval_s`` when entries were acknowledged, so the
+scan is short; a snapshot from a later term is never overwritten (we were taken over). The scan is
+bounded by ``max_state_scan_entries``; beyond that the state is marked incomplete (unknown
+producers are then accepted at any sequence, as Kafka does for producers without state). The
+snapshot lives outside the stream's meta on purpose: the writer owns meta, and a separate key
+cannot disturb it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from streams.consumer import EARLIEST, Consumer
 from streams.errors import PayloadTooLarge, WriterWithdrawn
 
-from .batches import Batch, StoredBatch, decode_entry, encode_entry, patch_base_offset
-from .errors import KafkaStorageError, OffsetOutOfRange
+from .batches import Batch, StoredBatch, decode_entry, encode_entry, entry_parts
+from .errors import KafkaStorageError, OffsetOutOfRange, OutOfOrderSequenceNumber
+from .producer_ids import BatchRecord, ProducerStateTable, StateSnapshot, in_sequence, state_key
 
 log = logging.getLogger(__name__)
+_I64 = struct.Struct(">q")
 
 
 @dataclass(frozen=True)
@@ -39,9 +57,14 @@ class PartitionConfig:
     recovery_scan_entries: int = 64
     max_read_entries: int = 1000
     max_read_bytes: int = 8 << 20
+    snapshot_interval_s: float = 1.0  # producer-state snapshots (when entries were acknowledged since)
+    max_state_scan_entries: int = 200_000  # entries scanned on open to rebuild producer state
+    max_producers: int = 10_000  # producer ids remembered per partition (least recently written go)
 
     def __post_init__(self):
         if self.max_index_points < 16 or self.recovery_scan_entries < 1 or self.max_read_bytes < 1024:
+            raise ValueError(f"invalid partition config {self}")
+        if self.snapshot_interval_s <= 0 or self.max_state_scan_entries < 1 or self.max_producers < 1:
             raise ValueError(f"invalid partition config {self}")
 
 
@@ -95,6 +118,7 @@ class PartitionLog:
     def __init__(self, client, topic: str, partition: int, config: PartitionConfig,
                  on_append: Callable[[], None] = lambda: None):
         self.client = client
+        self.store = client.cluster.store
         self.topic = topic
         self.partition = partition
         self.stream = stream_name(topic, partition)
@@ -107,30 +131,125 @@ class PartitionLog:
         self.high_watermark = 0
         self.log_start = 0
         self.last_acked_entry = -1
+        self.stream_id = -1
         self.failure: BaseException | None = None
         self._lock = asyncio.Lock()
+        self.live_state = ProducerStateTable(config.max_producers)  # includes batches in flight
+        self.acked_state = ProducerStateTable(config.max_producers)  # exactly what is up to last_acked_entry
+        self._snapshot_key = state_key(topic, partition)
+        self._snapshot_version = 0
+        self._snapshot_entry = -1
+        self._snapshot_task: asyncio.Task | None = None
+        self._snapshots_stopped = False
 
     # ---------------------------------------------------------------- life cycle
     async def open(self) -> None:
         self.producer = await self.client.producer(self.stream)
         meta, _ = await self.client.cluster.ledgers.get_ledger(self.stream)
+        self.stream_id = meta.ledger_id
         self.reader = RawReader(self.client.cluster, meta, max_read_entries=self.config.max_read_entries,
                                 max_read_bytes=self.config.max_read_bytes)
         await self.reader.start_at(EARLIEST)
         lac = self.producer.lac
         self.last_acked_entry = lac
-        last = await self._last_batch_at_or_below(lac)
+        last, scanned = await self._rebuild_producer_state(lac)
+        if last is None:
+            last = await self._last_batch_at_or_below(lac - scanned)
         self.next_offset = self.high_watermark = last.end_offset if last else 0
         self.log_start = await self._first_offset()
-        log.info("topic=%s partition=%d stream=%s term=%s open: LAC %d, offsets %d..%d", self.topic,
-                 self.partition, self.stream, self.producer.term, lac, self.log_start, self.next_offset)
+        self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshot_loop(),
+                                                                     name=f"kafka-snapshots-{self.stream}")
+        log.info("topic=%s partition=%d stream=%s term=%s open: LAC %d, offsets %d..%d, %d producers "
+                 "(%d entries scanned)", self.topic, self.partition, self.stream, self.producer.term, lac,
+                 self.log_start, self.next_offset, len(self.acked_state.producers), scanned)
 
     async def close(self) -> None:
+        if self._snapshot_task is not None:
+            self._snapshot_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._snapshot_task
         if self.producer is not None:
             try:
                 await self.producer.close()
             except Exception as exc:  # closing a failed writer: nothing more to save
                 log.debug("stream=%s close: %r", self.stream, exc)
+        if self.producer is not None and self.failure is None and self.last_acked_entry > self._snapshot_entry:
+            with contextlib.suppress(Exception):
+                await self.write_snapshot()
+
+    # ---------------------------------------------------------------- producer state
+    async def _rebuild_producer_state(self, lac: int) -> tuple[StoredBatch | None, int]:
+        """Load the snapshot and replay the entries after it: (last Kafka batch seen, entries scanned)."""
+        earliest = self.reader.earliest()
+        start, snap = earliest, None
+        cur = await self.store.get(self._snapshot_key)
+        if cur is not None:
+            self._snapshot_version = cur.version
+            try:
+                snap = StateSnapshot.decode(cur.value)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("stream=%s: ignoring an unreadable producer-state snapshot: %r", self.stream, exc)
+        state = ProducerStateTable(self.config.max_producers)
+        if snap is not None and snap.stream_id == self.stream_id and snap.entry_id <= lac:
+            state = ProducerStateTable.from_json(snap.producers, self.config.max_producers)
+            start = max(earliest, snap.entry_id + 1)
+            self._snapshot_entry = snap.entry_id
+        if lac - start + 1 > self.config.max_state_scan_entries:
+            start = lac - self.config.max_state_scan_entries + 1
+            state.complete = False
+            log.warning("stream=%s: producer state rebuilt from the last %d entries only", self.stream,
+                        self.config.max_state_scan_entries)
+        last = None
+        eid = start
+        while eid <= lac:
+            for e in await self.reader.entries(eid, lac):
+                eid = e.entry_id + 1
+                b = decode_entry(e.entry_id, e.data)
+                if b is None:
+                    continue
+                last = b
+                self.index.add(b)
+                pid, epoch, first, last_seq = b.producer()
+                if pid >= 0:
+                    state.record(pid, epoch, BatchRecord(first, last_seq, b.base_offset, b.offset_count))
+        self.acked_state = state
+        self.live_state = state.copy()
+        return last, max(0, lac - start + 1)
+
+    async def write_snapshot(self) -> bool:
+        """Write the acked producer state (compare-and-set); False if a later term's snapshot is there."""
+        if self._snapshots_stopped:
+            return False
+        snap = StateSnapshot(self.stream_id, self.last_acked_entry, self.producer.term,
+                             self.acked_state.to_json())
+        data = snap.encode()
+        for _ in range(3):
+            v = await self.store.cas(self._snapshot_key, data, self._snapshot_version)
+            if v is not None:
+                self._snapshot_version, self._snapshot_entry = v, snap.entry_id
+                return True
+            cur = await self.store.get(self._snapshot_key)
+            if cur is not None:
+                try:
+                    other = StateSnapshot.decode(cur.value)
+                except (ValueError, KeyError, TypeError):
+                    other = None
+                if other is not None and other.stream_id == snap.stream_id and other.term > snap.term:
+                    log.info("stream=%s: a later writer (term %d) snapshots this partition now", self.stream,
+                             other.term)
+                    self._snapshots_stopped = True
+                    return False
+            self._snapshot_version = cur.version if cur is not None else 0
+        return False
+
+    async def _snapshot_loop(self) -> None:
+        while self.failure is None and not self._snapshots_stopped:
+            await asyncio.sleep(self.config.snapshot_interval_s)
+            if self.last_acked_entry > self._snapshot_entry:
+                try:
+                    await self.write_snapshot()
+                except Exception as exc:
+                    log.warning("stream=%s: writing the producer-state snapshot failed: %r", self.stream, exc)
 
     async def _last_batch_at_or_below(self, lac: int) -> StoredBatch | None:
         earliest = self.reader.earliest()
@@ -177,28 +296,70 @@ class PartitionLog:
 
     # ---------------------------------------------------------------- appends
     async def append(self, batches: list[Batch]) -> tuple[int, list[asyncio.Future]]:
-        """Assign offsets and queue one entry per batch: (base offset of the first, ack futures)."""
+        """Assign offsets and queue one entry per batch: (base offset of the first, ack futures).
+        Idempotent duplicates are not queued again: they answer with the original base offset (and
+        wait for the original's acknowledgement if it is still in flight)."""
         async with self._lock:
             self._check_usable()
-            first = self.next_offset
+            dups = self._check_sequences(batches)
+            first = None
             futures = []
-            for b in batches:
+            queued = 0
+            for b, dup in zip(batches, dups, strict=True):
+                if dup is not None:
+                    first = dup.base_offset if first is None else first
+                    if dup.future is not None and not dup.future.done():
+                        futures.append(dup.future)
+                    continue
                 base = self.next_offset
                 try:
                     fut = await self.producer.append_raw(encode_entry(base, b))
                 except PayloadTooLarge:
-                    if futures:  # part of the request is queued: our offsets may no longer match the log
+                    if queued:  # part of the request is queued: our offsets may no longer match the log
                         self._fail(WriterWithdrawn("a partial append"))
                     raise
                 except Exception as exc:  # the writer failed (fenced, withdrawn): re-open on next use
                     self._fail(exc)
                     raise
+                queued += 1
                 self.next_offset += b.offset_count
-                fut.add_done_callback(self._acked_callback(base, b.offset_count))
+                first = base if first is None else first
+                if b.producer_id >= 0:
+                    self.live_state.record(b.producer_id, b.producer_epoch, BatchRecord(
+                        b.base_sequence, b.last_sequence, base, b.offset_count, fut))
+                fut.add_done_callback(self._acked_callback(base, b))
                 futures.append(fut)
-            return first, futures
+            return (self.next_offset if first is None else first), futures
 
-    def _acked_callback(self, base: int, count: int):
+    def _check_sequences(self, batches: list[Batch]) -> list[BatchRecord | None]:
+        """Per batch: None to append it, or the stored batch it duplicates. Raises before anything
+        is queued if any batch is out of sequence (or from a fenced epoch)."""
+        if len(batches) == 1:
+            b = batches[0]
+            if b.producer_id < 0:
+                return [None]
+            return [self.live_state.check(b.producer_id, b.producer_epoch, b.base_sequence, b.last_sequence)]
+        out: list[BatchRecord | None] = []
+        pending: dict[int, tuple[int, int]] = {}  # producer id -> (epoch, last sequence) of this request
+        for b in batches:
+            if b.producer_id < 0:
+                out.append(None)
+                continue
+            prev = pending.get(b.producer_id)
+            if prev is None:
+                dup = self.live_state.check(b.producer_id, b.producer_epoch, b.base_sequence, b.last_sequence)
+            elif prev[0] != b.producer_epoch or not in_sequence(prev[1], b.base_sequence):
+                raise OutOfOrderSequenceNumber(f"producer {b.producer_id}: batches of one request out of sequence")
+            else:
+                dup = None
+            if dup is None:
+                pending[b.producer_id] = (b.producer_epoch, b.last_sequence)
+            out.append(dup)
+        return out
+
+    def _acked_callback(self, base: int, batch: Batch):
+        count = batch.offset_count
+
         def done(fut: asyncio.Future) -> None:
             if fut.cancelled() or fut.exception() is not None:
                 self._fail(fut.exception() if not fut.cancelled() else asyncio.CancelledError())
@@ -207,6 +368,9 @@ class PartitionLog:
             self.index.add((eid, base, base + count))
             self.last_acked_entry = max(self.last_acked_entry, eid)
             self.high_watermark = max(self.high_watermark, base + count)
+            if batch.producer_id >= 0:
+                self.acked_state.record(batch.producer_id, batch.producer_epoch, BatchRecord(
+                    batch.base_sequence, batch.last_sequence, base, count))
             self.on_append()
 
         return done
@@ -239,19 +403,21 @@ class PartitionLog:
             return b""
         last = self.last_acked_entry
         eid = await self.locate(offset)
-        out: list[bytes] = []
+        out: list = []  # patched baseOffset, then the rest of the stored batch (not copied until the join)
         total = 0
         while eid <= last and total < max_bytes:
             entries = await self.reader.entries(eid, last)
             for e in entries:
                 eid = e.entry_id + 1
-                b = decode_entry(e.entry_id, e.data)
-                if b is None or b.end_offset <= offset:
+                parts = entry_parts(e.data)
+                if parts is None or parts[0] + parts[1] <= offset:
                     continue
-                if out and total + len(b.raw) > max_bytes:
+                size = len(parts[2]) + 8
+                if out and total + size > max_bytes:
                     return b"".join(out)
-                out.append(patch_base_offset(b.raw, b.base_offset))
-                total += len(b.raw)
+                out.append(_I64.pack(parts[0]))
+                out.append(parts[2])
+                total += size
         return b"".join(out)
 
     async def locate(self, offset: int) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from . import codec
 from .broker import Broker
-from .errors import ProtocolError, UnsupportedRequest
+from .errors import DropConnection, ProtocolError, UnsupportedRequest
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,16 @@ class KafkaServer:
         return self._server.sockets[0].getsockname()[1]
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._connection, self.config.host, self.config.port)
-        log.info("Kafka shim listening on %s:%d", self.config.host, self.port)
+        """Bind, register the broker (with the bound port when configured as 0), then serve."""
+        self._server = await asyncio.start_server(self._connection, self.config.host, self.config.port,
+                                                  start_serving=False)
+        try:
+            await self.broker.start(self.port)
+        except BaseException:
+            self._server.close()
+            raise
+        await self._server.start_serving()
+        log.info("Kafka shim node %s listening on %s:%d", self.broker.node_id, self.config.host, self.port)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -137,6 +145,9 @@ class KafkaServer:
                 return
             try:
                 data = await item
+            except DropConnection:  # test-only fault injection: the client sees a lost connection
+                writer.close()
+                return
             except Exception:
                 log.exception("handler failed; closing the connection")
                 writer.close()

@@ -11,13 +11,18 @@ import pytest
 
 from compat_kafka.broker import BrokerConfig
 from compat_kafka.cli import serve
+from compat_kafka.groups import GroupConfig
 from compat_kafka.server import ServerConfig
 from streams.localcluster import LocalCluster, free_port
 
+# Consumer groups in tests: a short initial rebalance delay (Kafka's default is 3 s, ours 300 ms).
+FAST_GROUPS = GroupConfig(initial_rebalance_delay_ms=100)
+
 
 class ShimThread:
-    def __init__(self, metadata_url: str, port: int, max_frame_bytes: int = 8 << 20):
+    def __init__(self, metadata_url: str, port: int, max_frame_bytes: int = 8 << 20, **broker_options):
         self.port = port
+        self._broker_options = {"default_partitions": 1, "groups": FAST_GROUPS, **broker_options}
         self.bootstrap = f"127.0.0.1:{port}"
         self._url = metadata_url
         self._max_frame = max_frame_bytes
@@ -34,7 +39,7 @@ class ShimThread:
             started = asyncio.Event()
             task = asyncio.create_task(serve(
                 self._url, ServerConfig(port=self.port, max_frame_bytes=self._max_frame),
-                BrokerConfig(port=self.port, default_partitions=1), started=started, stop=self._stop))
+                BrokerConfig(port=self.port, **self._broker_options), started=started, stop=self._stop))
             waiter = asyncio.create_task(started.wait())
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             self._started.set()

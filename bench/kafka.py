@@ -1,0 +1,299 @@
+"""The Kafka shim under confluent-kafka load, over a real Scroll cluster (etcd + 3 bookies, E=3 WQ=3 AQ=2).
+
+How this works. ``LocalCluster`` starts etcd and three bookie processes; one ``scroll kafka`` shim
+runs as its own process. Then, on a fresh topic of ``--partitions`` partitions:
+
+* reference: the raw streams client (this process, ``Producer.append_future``) appending
+  ``--value-bytes`` entries to a fresh stream for ``--ref-seconds``: entries/s and this process's CPU
+  per append. Each Kafka batch is one such append, so this is the per-entry cost the shim pays.
+* produce: a confluent-kafka producer (acks=all, linger.ms=5, ``--value-bytes`` values) sends
+  ``--records`` records as fast as it can while a confluent-kafka consumer in another process tails
+  the topic. records/s and MB/s count from the first produce() to the last delivery report;
+  produce latency is each record's delivery-report latency (``Message.latency()``: produce() to
+  acknowledgement); end-to-end latency is the consumer's receive time minus the record's
+  CreateTime (producer wall clock, ms resolution; same machine).
+* paced: the same producer and tailing consumer at a fixed ``--rate`` (records/s) for
+  ``--paced-seconds``: delivery and end-to-end latency when the shim keeps up (at full speed the
+  latencies above are mostly time queued in the producer).
+* consume only: a fresh consumer reads the whole topic from offset 0: records/s, MB/s.
+
+CPU seconds (from /proc) per record are given for the shim and for the three bookies together.
+``--profile`` runs py-spy (``--py-spy PATH``) on the shim during the produce phase and writes a
+flame graph SVG and the top functions.
+
+    .venv/bin/python bench/kafka.py                                # 300k records, 4 partitions
+    .venv/bin/python bench/kafka.py --records 100000 --json bench/results/kafka.json
+    .venv/bin/python bench/kafka.py --profile --py-spy /tmp/pyspy/bin/py-spy
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from streams.client import connect  # noqa: E402
+from streams.localcluster import LocalCluster, free_port  # noqa: E402
+
+GOAL_PRODUCE = 50_000
+GOAL_CONSUME = 100_000
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# ---------------------------------------------------------------- reference: the raw streams client
+async def reference(url: str, value_bytes: int, seconds: float) -> dict:
+    client = await connect(url)
+    try:
+        name = f"bench-ref-{int(time.time())}"
+        await client.create_stream(name, 3, 3, 2)
+        p = await client.producer(name)
+        payload = b"\x00" + os.urandom(value_bytes)
+        futs, n = [], 0
+        t0, c0 = time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < seconds:
+            futs.append(await p.append_raw(payload))
+            n += 1
+            if len(futs) >= 2000:
+                await asyncio.gather(*futs)
+                futs.clear()
+        await asyncio.gather(*futs)
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        await p.close()
+        await client.delete_stream(name)
+        return {"entries_per_s": n / dt, "mb_per_s": n * value_bytes / dt / 1e6, "client_cpu_us_per_append": cpu / n * 1e6}
+    finally:
+        await client.close()
+
+
+# ---------------------------------------------------------------- the tailing consumer (a child process)
+def tail_consumer(bootstrap: str, topic: str, partitions: int, count: int, ready, out) -> None:
+    from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-tail", "enable.auto.commit": False,
+                  "fetch.wait.max.ms": 10, "fetch.min.bytes": 1})
+    c.assign([TopicPartition(topic, p, OFFSET_END) for p in range(partitions)])
+    c.consume(1, timeout=1.0)  # connect and resolve the end offsets before the producer starts
+    ready.set()
+    lat, got = [], 0
+    deadline = time.monotonic() + 600
+    while got < count and time.monotonic() < deadline:
+        msgs = c.consume(1000, timeout=0.005)  # consume() waits for all 1000 or the timeout: keep it short
+        now_ms = time.time() * 1000
+        for m in msgs:
+            if m.error() is None:
+                got += 1
+                if got % 10 == 0:  # a sample is plenty
+                    lat.append(now_ms - m.timestamp()[1])
+    c.close()
+    out.put({"received": got, "e2e_ms": lat})
+
+
+# ---------------------------------------------------------------- phases
+def produce(bootstrap: str, topic: str, partitions: int, records: int, value_bytes: int,
+            rate: float | None = None) -> dict:
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
+                  "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 2_097_151})
+    value = os.urandom(value_bytes)
+    lat: list[float] = []
+    errors = [0]
+
+    def report(err, msg):
+        if err is not None:
+            errors[0] += 1
+        else:
+            lat.append(msg.latency())
+
+    p.list_topics(topic, timeout=10)
+    t0 = time.perf_counter()
+    for i in range(records):
+        if rate is not None and i % 50 == 0:  # paced: never ahead of the schedule
+            ahead = t0 + i / rate - time.perf_counter()
+            if ahead > 0:
+                p.poll(ahead)
+        while True:
+            try:
+                p.produce(topic, value=value, partition=i % partitions, on_delivery=report)
+                break
+            except BufferError:
+                p.poll(0.005)
+        if i % 1000 == 0:
+            p.poll(0)
+    left = p.flush(120)
+    dt = time.perf_counter() - t0
+    return {"records": records, "seconds": dt, "records_per_s": records / dt,
+            "mb_per_s": records * value_bytes / dt / 1e6, "errors": errors[0] + left,
+            "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000}
+
+
+def consume_all(bootstrap: str, topic: str, partitions: int, records: int, value_bytes: int) -> dict:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-read", "enable.auto.commit": False,
+                  "fetch.wait.max.ms": 100, "fetch.max.bytes": 64 << 20, "max.partition.fetch.bytes": 8 << 20,
+                  "queued.max.messages.kbytes": 1 << 20})
+    c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    got = 0
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + 600
+    while got < records and time.monotonic() < deadline:
+        for m in c.consume(10_000, timeout=0.5):
+            if m.error() is None:
+                got += 1
+    dt = time.perf_counter() - t0
+    c.close()
+    return {"records": got, "seconds": dt, "records_per_s": got / dt, "mb_per_s": got * value_bytes / dt / 1e6}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", type=int, default=300_000)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--value-bytes", type=int, default=1024)
+    ap.add_argument("--ref-seconds", type=float, default=5.0)
+    ap.add_argument("--rate", type=float, default=5000.0, help="records/s of the paced phase")
+    ap.add_argument("--paced-seconds", type=float, default=5.0)
+    ap.add_argument("--profile", action="store_true", help="py-spy the shim during the produce phase")
+    ap.add_argument("--py-spy", default="py-spy")
+    ap.add_argument("--dir", default=None, help="cluster directory (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    base = Path(args.dir or tempfile.mkdtemp(prefix="bench-kafka-"))
+    cluster = LocalCluster(base / "scroll", bookies=3).start()
+    port = free_port()
+    log = open(base / "shim.log", "wb")
+    shim = subprocess.Popen([sys.executable, "-m", "streams.cli", "kafka", "--metadata", cluster.metadata_url,
+                             "--port", str(port), "--node-id", "0"], stdout=log, stderr=subprocess.STDOUT)
+    bootstrap = f"127.0.0.1:{port}"
+    results: dict = {"args": vars(args), "load_avg_start": os.getloadavg()}
+    try:
+        import socket
+
+        for _ in range(300):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        topic = "bench"
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_topics([NewTopic(topic, num_partitions=args.partitions, replication_factor=1)])[topic].result(
+            timeout=30)
+
+        results["reference"] = asyncio.run(reference(cluster.metadata_url, args.value_bytes, args.ref_seconds))
+        print(f"reference (streams client, {args.value_bytes} B entries): "
+              f"{results['reference']['entries_per_s']:,.0f} appends/s, "
+              f"{results['reference']['client_cpu_us_per_append']:.0f} µs client CPU per append", flush=True)
+
+        ctx = mp.get_context("spawn")
+        ready, out = ctx.Event(), ctx.Queue()
+        tail = ctx.Process(target=tail_consumer, args=(bootstrap, topic, args.partitions, args.records, ready, out))
+        tail.start()
+        ready.wait(60)
+        def start_spy(phase: str) -> list:
+            if not args.profile:
+                return []
+            return [subprocess.Popen([args.py_spy, "record", "-p", str(shim.pid), "-f", fmt, "-o",
+                                      str(base / f"shim-{phase}.{ext}"), "--nonblocking", "-r", "50"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    for fmt, ext in (("flamegraph", "svg"), ("raw", "txt"))]
+
+        def stop_spy(spies: list) -> None:
+            for sp in spies:
+                sp.send_signal(2)
+                sp.wait(30)
+
+        spies = start_spy("produce")
+        bookie_pids = [b.popen.pid for b in cluster.bookies]
+
+        def bookies_cpu() -> float:
+            return sum(cpu_s(pid) for pid in bookie_pids)
+
+        c0, b0 = cpu_s(shim.pid), bookies_cpu()
+        results["produce"] = prod = produce(bootstrap, topic, args.partitions, args.records, args.value_bytes)
+        prod["shim_cpu_us_per_record"] = (cpu_s(shim.pid) - c0) / args.records * 1e6
+        prod["bookies_cpu_us_per_record"] = (bookies_cpu() - b0) / args.records * 1e6
+        stop_spy(spies)
+        tail_res = out.get(timeout=120)
+        tail.join(10)
+        results["tail"] = {"received": tail_res["received"], "e2e_p50_ms": pct(tail_res["e2e_ms"], 0.5),
+                           "e2e_p99_ms": pct(tail_res["e2e_ms"], 0.99)}
+        print(f"produce: {prod['records_per_s']:,.0f} records/s, {prod['mb_per_s']:.1f} MB/s, "
+              f"delivery latency p50 {prod['p50_ms']:.1f} ms p99 {prod['p99_ms']:.1f} ms, errors {prod['errors']}, "
+              f"shim CPU {prod['shim_cpu_us_per_record']:.1f} µs/record, bookies "
+              f"{prod['bookies_cpu_us_per_record']:.1f} µs/record", flush=True)
+        print(f"end to end (tailing consumer): p50 {results['tail']['e2e_p50_ms']:.1f} ms, "
+              f"p99 {results['tail']['e2e_p99_ms']:.1f} ms ({tail_res['received']} records received)", flush=True)
+
+        paced_n = int(args.rate * args.paced_seconds)
+        if paced_n:
+            ready, out = ctx.Event(), ctx.Queue()
+            tail = ctx.Process(target=tail_consumer, args=(bootstrap, topic, args.partitions, paced_n, ready, out))
+            tail.start()
+            ready.wait(60)
+            results["paced"] = paced = produce(bootstrap, topic, args.partitions, paced_n, args.value_bytes,
+                                               rate=args.rate)
+            tail_res = out.get(timeout=120)
+            tail.join(10)
+            paced.update(e2e_p50_ms=pct(tail_res["e2e_ms"], 0.5), e2e_p99_ms=pct(tail_res["e2e_ms"], 0.99))
+            print(f"paced at {args.rate:,.0f}/s: {paced['records_per_s']:,.0f} records/s, delivery latency p50 "
+                  f"{paced['p50_ms']:.1f} ms p99 {paced['p99_ms']:.1f} ms; end to end p50 {paced['e2e_p50_ms']:.1f} ms "
+                  f"p99 {paced['e2e_p99_ms']:.1f} ms", flush=True)
+
+        spies = start_spy("consume")
+        c0, b0 = cpu_s(shim.pid), bookies_cpu()
+        results["consume"] = cons = consume_all(bootstrap, topic, args.partitions, args.records + paced_n,
+                                                args.value_bytes)
+        stop_spy(spies)
+        cons["shim_cpu_us_per_record"] = (cpu_s(shim.pid) - c0) / max(1, cons["records"]) * 1e6
+        cons["bookies_cpu_us_per_record"] = (bookies_cpu() - b0) / max(1, cons["records"]) * 1e6
+        print(f"consume only: {cons['records_per_s']:,.0f} records/s, {cons['mb_per_s']:.1f} MB/s "
+              f"({cons['records']} records), shim CPU {cons['shim_cpu_us_per_record']:.1f} µs/record, bookies "
+              f"{cons['bookies_cpu_us_per_record']:.1f} µs/record", flush=True)
+        results["load_avg_end"] = os.getloadavg()
+        print(f"goals: produce >= {GOAL_PRODUCE:,}/s: {'met' if prod['records_per_s'] >= GOAL_PRODUCE else 'NOT met'}; "
+              f"consume >= {GOAL_CONSUME:,}/s: {'met' if cons['records_per_s'] >= GOAL_CONSUME else 'NOT met'}; "
+              f"load average {results['load_avg_start'][0]:.1f} -> {results['load_avg_end'][0]:.1f}")
+        if args.profile:
+            print(f"profiles: {base}/shim-{{produce,consume}}.{{svg,txt}}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+    finally:
+        shim.terminate()
+        try:
+            shim.wait(15)
+        except subprocess.TimeoutExpired:
+            shim.kill()
+        log.close()
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

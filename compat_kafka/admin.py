@@ -1,0 +1,394 @@
+"""Admin APIs: DescribeConfigs, AlterConfigs, IncrementalAlterConfigs, CreatePartitions, DescribeCluster.
+
+How this works. A topic's configs are the ``configs`` map of its metadata record
+``kafka/topics/<topic>`` (JSON; written by CreateTopics and the alter APIs with a compare-and-set on
+the record's version, keeping every other field of the record as it is). Names are checked against
+Kafka's topic config names and values against their type; an unknown name or a bad value is
+INVALID_CONFIG and nothing is written. Two settings take effect, the others are stored and reported:
+
+- ``retention.ms`` / ``retention.bytes`` become the retention policy of every partition's stream
+  (``LedgerMeta.retention`` keys ``max_age_s`` / ``max_bytes``; -1 removes the key), written with a
+  CAS on the stream's meta record that changes only its ``retention`` field, which the retention job
+  honours. ``retention.bytes`` is per partition, as in Kafka.
+- ``cleanup.policy`` must be ``delete`` (compaction is not built), ``message.timestamp.type`` must be
+  ``CreateTime`` (batches are stored as the producer sent them).
+
+DescribeConfigs answers a topic's stored configs (source DYNAMIC_TOPIC_CONFIG) over the defaults
+(DEFAULT_CONFIG: no retention limit, as a stream has none unless asked), and the broker resource's
+settings of this shim (read-only, STATIC_BROKER_CONFIG). CreatePartitions grows a topic: the new
+partitions' streams are created (a leftover stream is reused), given the topic's retention, and only
+then is the record's partition count raised, so a reader of the record never sees a partition
+without a stream; shrinking, or asking for the current count, is INVALID_PARTITIONS. DescribeCluster
+names this shim, controller included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+
+from kio.schema.errors import ErrorCode
+
+from fragments.ledgers import NoSuchLedger
+from streams.errors import StreamExists
+
+from . import codec
+from .codec import ZERO_MS, build, nested
+from .errors import InvalidPartitions, InvalidRequest, KafkaError, UnknownTopicOrPartition, code_for
+
+log = logging.getLogger(__name__)
+
+TOPIC_KEY_PREFIX = "kafka/topics/"  # as broker.TOPIC_KEY_PREFIX (no import: the broker imports us)
+
+RESOURCE_TOPIC = 2
+RESOURCE_BROKER = 4
+SOURCE_DYNAMIC_TOPIC = 1
+SOURCE_STATIC_BROKER = 4
+SOURCE_DEFAULT = 5
+T_BOOLEAN, T_STRING, T_INT, T_SHORT, T_LONG, T_DOUBLE, T_LIST = 1, 2, 3, 4, 5, 6, 7
+OP_SET, OP_DELETE, OP_APPEND, OP_SUBTRACT = 0, 1, 2, 3
+ENTRY_OVERHEAD = 13  # batches.ENTRY_HEAD_BYTES: what the shim puts before a batch in an entry
+
+
+class InvalidConfig(KafkaError):
+    code = ErrorCode.invalid_config
+
+
+class PolicyViolation(KafkaError):
+    code = ErrorCode.policy_violation
+
+
+class InvalidReplicaAssignment(KafkaError):
+    code = ErrorCode.invalid_replica_assignment
+
+
+# Kafka's topic config names and their types. Only retention.* act (see the module docstring).
+TOPIC_CONFIG_TYPES: dict[str, int] = {
+    "cleanup.policy": T_LIST, "compression.type": T_STRING, "delete.retention.ms": T_LONG,
+    "file.delete.delay.ms": T_LONG, "flush.messages": T_LONG, "flush.ms": T_LONG,
+    "follower.replication.throttled.replicas": T_LIST, "index.interval.bytes": T_INT,
+    "leader.replication.throttled.replicas": T_LIST, "local.retention.bytes": T_LONG,
+    "local.retention.ms": T_LONG, "max.compaction.lag.ms": T_LONG, "max.message.bytes": T_INT,
+    "message.downconversion.enable": T_BOOLEAN, "message.format.version": T_STRING,
+    "message.timestamp.after.max.ms": T_LONG, "message.timestamp.before.max.ms": T_LONG,
+    "message.timestamp.difference.max.ms": T_LONG, "message.timestamp.type": T_STRING,
+    "min.cleanable.dirty.ratio": T_DOUBLE, "min.compaction.lag.ms": T_LONG, "min.insync.replicas": T_INT,
+    "preallocate": T_BOOLEAN, "remote.storage.enable": T_BOOLEAN, "retention.bytes": T_LONG,
+    "retention.ms": T_LONG, "segment.bytes": T_INT, "segment.index.bytes": T_INT, "segment.jitter.ms": T_LONG,
+    "segment.ms": T_LONG, "unclean.leader.election.enable": T_BOOLEAN,
+}
+_COMPRESSION = {"producer", "uncompressed", "gzip", "snappy", "lz4", "zstd"}
+
+
+def check_topic_configs(configs: dict[str, str | None]) -> dict[str, str]:
+    """Validated topic configs (None values dropped); ``InvalidConfig`` names the first bad one."""
+    out = {}
+    for name, value in configs.items():
+        if value is None:
+            continue
+        kind = TOPIC_CONFIG_TYPES.get(name)
+        if kind is None:
+            raise InvalidConfig(f"unknown topic config {name!r}")
+        try:
+            if kind in (T_INT, T_LONG, T_SHORT):
+                int(value)
+            elif kind == T_DOUBLE:
+                float(value)
+            elif kind == T_BOOLEAN and value.lower() not in ("true", "false"):
+                raise ValueError(value)
+        except ValueError:
+            raise InvalidConfig(f"config {name}: {value!r} is not a valid {_TYPE_NAMES[kind]}") from None
+        if name in ("retention.ms", "retention.bytes") and int(value) < -1:
+            raise InvalidConfig(f"config {name} must be -1 (no limit) or >= 0, not {value}")
+        if name == "cleanup.policy" and {v.strip() for v in value.split(",")} != {"delete"}:
+            raise InvalidConfig(f"cleanup.policy {value!r}: only 'delete' is supported (no compaction)")
+        if name == "message.timestamp.type" and value != "CreateTime":
+            raise InvalidConfig("message.timestamp.type: only CreateTime is supported")
+        if name == "compression.type" and value not in _COMPRESSION:
+            raise InvalidConfig(f"compression.type {value!r}: one of {sorted(_COMPRESSION)}")
+        if name == "max.message.bytes" and int(value) < 0:
+            raise InvalidConfig("max.message.bytes must be >= 0")
+        out[name] = value
+    return out
+
+
+_TYPE_NAMES = {T_BOOLEAN: "boolean", T_STRING: "string", T_INT: "int", T_SHORT: "short", T_LONG: "long",
+               T_DOUBLE: "double", T_LIST: "list"}
+
+
+def retention_policy(configs: dict[str, str]) -> dict:
+    """The stream retention keys the topic configs ask for ({} for no limit)."""
+    out: dict = {}
+    ms = int(configs.get("retention.ms", "-1"))
+    nbytes = int(configs.get("retention.bytes", "-1"))
+    if ms >= 0:
+        out["max_age_s"] = ms / 1000
+    if nbytes >= 0:
+        out["max_bytes"] = nbytes
+    return out
+
+
+class Admin:
+    """The admin APIs of one shim (``broker`` gives the client, store, config and topic metadata)."""
+
+    def __init__(self, broker):
+        self.broker = broker
+        self.store = broker.store
+        self.client = broker.client
+
+    def handlers(self) -> dict[int, Callable]:
+        return {
+            codec.API_DESCRIBE_CONFIGS: self.describe_configs,
+            codec.API_ALTER_CONFIGS: self.alter_configs,
+            codec.API_INCREMENTAL_ALTER_CONFIGS: self.incremental_alter_configs,
+            codec.API_CREATE_PARTITIONS: self.create_partitions,
+            codec.API_DESCRIBE_CLUSTER: self.describe_cluster,
+        }
+
+    # ------------------------------------------------------------ topic records
+    async def _topic_record(self, name: str) -> tuple[dict, int]:
+        v = await self.store.get(TOPIC_KEY_PREFIX + name)
+        if v is None:
+            raise UnknownTopicOrPartition(f"unknown topic {name!r}")
+        return json.loads(v.value), v.version
+
+    async def _update_topic(self, name: str, change: Callable[[dict], dict | None], validate_only: bool) -> dict:
+        """Read-modify-CAS the topic record. ``change`` returns the new record (or raises); the record
+        written keeps every field ``change`` did not touch. Returns the new record."""
+        for _ in range(20):
+            rec, version = await self._topic_record(name)
+            new = change(dict(rec))
+            if validate_only or new == rec:
+                return new
+            if await self.store.cas(TOPIC_KEY_PREFIX + name, json.dumps(new).encode(), version) is not None:
+                return new
+        raise PolicyViolation(f"topic {name!r} changed concurrently too often; try again")
+
+    async def apply_retention(self, topic: str, partitions: range | list[int], configs: dict[str, str]) -> None:
+        """Write the topic's retention policy into each partition stream's meta (CAS on ``retention`` only)."""
+        policy = retention_policy(configs)
+        ledgers = self.client.cluster.ledgers
+        for p in partitions:
+            stream = f"{topic}-{p}"
+            for _ in range(50):
+                try:
+                    meta, version = await ledgers.get_ledger(stream)
+                except NoSuchLedger:
+                    log.warning("topic=%s: no stream %s to set retention on", topic, stream)
+                    break
+                retention = {k: v for k, v in meta.retention.items() if k not in ("max_age_s", "max_bytes")}
+                retention.update(policy)
+                if retention == meta.retention:
+                    break
+                if await ledgers.cas_ledger(meta.with_(retention=retention), (), version) is not None:
+                    log.info("stream=%s retention %s", stream, retention)
+                    break
+            else:
+                raise PolicyViolation(f"stream {stream}: retention not set (its meta kept changing)")
+
+    # ------------------------------------------------------------ DescribeConfigs
+    def _topic_defaults(self) -> dict[str, tuple[str, int]]:
+        c = self.broker.config
+        max_msg = getattr(self.client.cluster, "max_entry_bytes", 1 << 20) - ENTRY_OVERHEAD
+        return {
+            "cleanup.policy": ("delete", T_LIST),
+            "retention.ms": ("-1", T_LONG),
+            "retention.bytes": ("-1", T_LONG),
+            "max.message.bytes": (str(max_msg), T_INT),
+            "compression.type": ("producer", T_STRING),
+            "message.timestamp.type": ("CreateTime", T_STRING),
+            "min.insync.replicas": (str(c.ack_quorum), T_INT),
+        }
+
+    def _broker_configs(self) -> dict[str, tuple[str, int]]:
+        c = self.broker.config
+        g = getattr(getattr(self.broker, "groups", None), "config", None)
+        out = {
+            "broker.id": (str(self._node_id()), T_INT),
+            "num.partitions": (str(c.default_partitions), T_INT),
+            "auto.create.topics.enable": (str(c.auto_create_topics).lower(), T_BOOLEAN),
+            "default.replication.factor": (str(c.write_quorum), T_INT),
+            "min.insync.replicas": (str(c.ack_quorum), T_INT),
+            "message.max.bytes": (self._topic_defaults()["max.message.bytes"][0], T_INT),
+            "log.retention.ms": ("-1", T_LONG),
+            "log.retention.bytes": ("-1", T_LONG),
+            "log.cleanup.policy": ("delete", T_LIST),
+        }
+        if g is not None:
+            out.update({
+                "group.initial.rebalance.delay.ms": (str(g.initial_rebalance_delay_ms), T_INT),
+                "group.min.session.timeout.ms": (str(g.min_session_timeout_ms), T_INT),
+                "group.max.session.timeout.ms": (str(g.max_session_timeout_ms), T_INT),
+                "group.max.size": (str(g.max_group_size), T_INT),
+                "offset.metadata.max.bytes": (str(g.max_metadata_bytes), T_INT),
+            })
+        return out
+
+    async def describe_configs(self, req, resp_cls):
+        result_cls = nested(resp_cls, "DescribeConfigsResult")
+        entry_cls = nested(resp_cls, "DescribeConfigsResourceResult")
+        out = []
+        for r in req.resources:
+            rows: list = []
+            try:
+                if r.resource_type == RESOURCE_TOPIC:
+                    rec, _ = await self._topic_record(r.resource_name)
+                    stored = dict(rec.get("configs", {}))
+                    entries = {k: (v, t, SOURCE_DEFAULT, False) for k, (v, t) in self._topic_defaults().items()}
+                    for k, v in stored.items():
+                        entries[k] = (v, TOPIC_CONFIG_TYPES.get(k, T_STRING), SOURCE_DYNAMIC_TOPIC, False)
+                elif r.resource_type == RESOURCE_BROKER:
+                    if r.resource_name not in ("", str(self._node_id())):
+                        raise InvalidRequest(f"this is broker {self._node_id()}, not {r.resource_name}")
+                    entries = {k: (v, t, SOURCE_STATIC_BROKER, True) for k, (v, t) in self._broker_configs().items()}
+                else:
+                    raise InvalidRequest(f"resource type {r.resource_type} is not served (2: topic, 4: broker)")
+                keys = r.configuration_keys
+                for name in sorted(entries if not keys else [k for k in keys if k in entries]):
+                    value, kind, source, read_only = entries[name]
+                    rows.append(build(entry_cls, name=name, value=value, read_only=read_only, config_source=source,
+                                      is_default=source == SOURCE_DEFAULT, is_sensitive=False, synonyms=(),
+                                      config_type=kind, documentation=None))
+                out.append(build(result_cls, error_code=ErrorCode.none, error_message=None,
+                                 resource_type=r.resource_type, resource_name=r.resource_name, configs=tuple(rows)))
+            except Exception as exc:
+                self._log("describe_configs", r.resource_name, exc)
+                out.append(build(result_cls, error_code=code_for(exc), error_message=str(exc),
+                                 resource_type=r.resource_type, resource_name=r.resource_name, configs=()))
+        return build(resp_cls, throttle_time=ZERO_MS, results=tuple(out))
+
+    # ------------------------------------------------------------ AlterConfigs / IncrementalAlterConfigs
+    async def _alter_topic(self, name: str, edit: Callable[[dict[str, str]], dict[str, str]],
+                           validate_only: bool) -> None:
+        def change(rec: dict) -> dict:
+            rec["configs"] = check_topic_configs(edit(dict(rec.get("configs", {}))))
+            return rec
+
+        new = await self._update_topic(name, change, validate_only)
+        if not validate_only:
+            await self.apply_retention(name, range(int(new["partitions"])), new["configs"])
+
+    async def _alter(self, req, resp_cls, edit_for):
+        result_cls = nested(resp_cls, "AlterConfigsResourceResponse")
+        out = []
+        for r in req.resources:
+            try:
+                if r.resource_type == RESOURCE_BROKER:
+                    raise InvalidRequest("broker configs are static in this shim (set them on the command line)")
+                if r.resource_type != RESOURCE_TOPIC:
+                    raise InvalidRequest(f"resource type {r.resource_type} is not served (2: topic)")
+                await self._alter_topic(r.resource_name, edit_for(r), req.validate_only)
+                out.append(build(result_cls, error_code=ErrorCode.none, error_message=None,
+                                 resource_type=r.resource_type, resource_name=r.resource_name))
+            except Exception as exc:
+                self._log("alter_configs", r.resource_name, exc)
+                out.append(build(result_cls, error_code=code_for(exc), error_message=str(exc),
+                                 resource_type=r.resource_type, resource_name=r.resource_name))
+        return build(resp_cls, throttle_time=ZERO_MS, responses=tuple(out))
+
+    async def alter_configs(self, req, resp_cls):
+        """AlterConfigs replaces a topic's whole config set."""
+        return await self._alter(req, resp_cls, lambda r: lambda _old: {c.name: c.value for c in r.configs})
+
+    async def incremental_alter_configs(self, req, resp_cls):
+        def edit_for(r):
+            def edit(cfg: dict[str, str]) -> dict[str, str]:
+                for c in r.configs:
+                    op = c.config_operation
+                    if op == OP_SET:
+                        cfg[c.name] = c.value
+                    elif op == OP_DELETE:
+                        cfg.pop(c.name, None)
+                    elif op in (OP_APPEND, OP_SUBTRACT):
+                        if TOPIC_CONFIG_TYPES.get(c.name) != T_LIST:
+                            raise InvalidConfig(f"{c.name} is not a list config: cannot append/subtract")
+                        default = self._topic_defaults().get(c.name, ("", T_LIST))[0]
+                        cur = [v for v in cfg.get(c.name, default).split(",") if v]
+                        vals = [v for v in (c.value or "").split(",") if v]
+                        cur = cur + [v for v in vals if v not in cur] if op == OP_APPEND else \
+                            [v for v in cur if v not in vals]
+                        cfg[c.name] = ",".join(cur)
+                    else:
+                        raise InvalidRequest(f"config operation {op} unknown (0 set, 1 delete, 2 append, 3 subtract)")
+                return cfg
+
+            return edit
+
+        return await self._alter(req, resp_cls, edit_for)
+
+    # ------------------------------------------------------------ CreatePartitions
+    async def grow_topic(self, name: str, count: int, assignments, validate_only: bool) -> None:
+        rec, _ = await self._topic_record(name)
+        current = int(rec["partitions"])
+        limit = self.broker.config.max_partitions
+        if count < current:
+            raise InvalidPartitions(f"topic {name!r} has {current} partitions; they cannot be reduced to {count}")
+        if count == current:
+            raise InvalidPartitions(f"topic {name!r} already has {current} partitions")
+        if count > limit:
+            raise InvalidPartitions(f"at most {limit} partitions per topic, not {count}")
+        if assignments is not None and len(assignments) != count - current:
+            raise InvalidReplicaAssignment(f"{len(assignments)} assignments for {count - current} new partitions")
+        if validate_only:
+            return
+        c = self.broker.config
+        configs = dict(rec.get("configs", {}))
+        for p in range(current, count):
+            # a stream left over by an interrupted create or delete is reused
+            with contextlib.suppress(StreamExists):
+                await self.client.create_stream(f"{name}-{p}", c.ensemble, c.write_quorum, c.ack_quorum)
+        await self.apply_retention(name, range(current, count), configs)
+
+        def change(rec: dict) -> dict:
+            if int(rec["partitions"]) != current:
+                raise InvalidPartitions(f"topic {name!r} changed to {rec['partitions']} partitions meanwhile")
+            rec["partitions"] = count
+            return rec
+
+        await self._update_topic(name, change, False)
+        log.info("topic=%s grown from %d to %d partitions", name, current, count)
+
+    async def create_partitions(self, req, resp_cls):
+        result_cls = nested(resp_cls, "CreatePartitionsTopicResult")
+        names = [t.name for t in req.topics]
+        out = []
+        for t in req.topics:
+            try:
+                if names.count(t.name) > 1:
+                    raise InvalidRequest(f"topic {t.name!r} appears more than once")
+                await self.grow_topic(t.name, t.count, t.assignments, req.validate_only)
+                out.append(build(result_cls, name=t.name, error_code=ErrorCode.none, error_message=None))
+            except Exception as exc:
+                self._log("create_partitions", t.name, exc)
+                out.append(build(result_cls, name=t.name, error_code=code_for(exc), error_message=str(exc)))
+        return build(resp_cls, throttle_time=ZERO_MS, results=tuple(out))
+
+    # ------------------------------------------------------------ DescribeCluster
+    def _node_id(self) -> int:
+        return getattr(self.broker, "node_id", self.broker.config.node_id)
+
+    async def live_brokers(self) -> list[tuple[int, str, int]]:
+        """(node id, host, port) of every live shim, by node id (just this one when running alone)."""
+        own = getattr(self.broker, "ownership", None)
+        if own is None:
+            c = self.broker.config
+            return [(c.node_id, c.host, c.port)]
+        live = await own.brokers(max_age_s=0.5) or [own.me]
+        return [(b.node_id, b.host, b.port) for b in live]
+
+    async def describe_cluster(self, req, resp_cls):
+        broker_cls = nested(resp_cls, "DescribeClusterBroker")
+        live = await self.live_brokers()
+        brokers = tuple(build(broker_cls, broker_id=n, host=h, port=p, rack=None, is_fenced=False) for n, h, p in live)
+        return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, error_message=None,
+                     endpoint_type=1, cluster_id=self.broker.config.cluster_id, controller_id=live[0][0],
+                     brokers=brokers, cluster_authorized_operations=-2147483648)
+
+    @staticmethod
+    def _log(what: str, name: str, exc: BaseException) -> None:
+        if isinstance(exc, KafkaError):
+            log.info("%s %s: %s", what, name, exc)
+        else:
+            log.warning("%s %s: %r", what, name, exc)

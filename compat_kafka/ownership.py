@@ -1,0 +1,263 @@
+"""Several shims on one cluster: broker registration, partition ownership and fail-over.
+
+Key layout in the metadata store (every key below is attached to its shim's lease, so it vanishes
+by itself when the shim dies; a clean shutdown revokes the lease so they vanish at once):
+
+* ``kafka/brokers/<node id>`` -> JSON ``{"node_id", "host", "port"}``: one per live shim. Node ids
+  are unique among live shims (registration is create-if-absent, waiting up to twice the TTL for
+  a previous incarnation's key to expire); without ``--node-id`` a shim allocates one from the
+  counter ``kafka/node-ids`` (1, 2, ...: never reused).
+* ``kafka/owners/<topic>/<partition>`` -> the owner's node id: the one shim serving that
+  partition (its stream's writer).
+* ``kafka/coordinators/<group>`` (``kafka/coordinators-txn/<id>`` for key type 1) -> the node
+  coordinating a consumer group. Group state itself lives in the metadata store, so any shim can
+  take a group over.
+
+Who owns what. The owner of a resource (partition or group) is the node named in its key if that
+node is live, else the *preferred* node: rendezvous hashing (highest blake2b of resource and node
+id) over the live shims — deterministic, spreads resources evenly, and when a shim dies only its
+resources move. Metadata and FindCoordinator answer with that owner. A shim serves a resource only
+when it holds the key: on first use it claims it (create-if-absent under its lease) if it is the
+preferred node; otherwise the request gets NOT_LEADER_OR_FOLLOWER / NOT_COORDINATOR and the client
+refreshes metadata. Ownership is sticky: a shim joining later does not take partitions away.
+
+Fail-over. A killed shim stops refreshing its lease; after the TTL its keys vanish and the
+preferred survivor claims each partition on the next request for it, opening the stream — a
+take-over with a new term, which fences the old writer at the bookies. A shim that was paused
+(SIGSTOP, a long GC-like stall) and comes back is a zombie: it stops serving as soon as its last
+successful lease refresh is older than the TTL (``valid``, checked on every request, from the local
+monotonic clock — conservative, since the store's TTL counts from when it received the refresh),
+and its keep-alive then finds the lease gone, drops every resource (``on_lost``) and registers
+again with a new lease. Even a zombie that appended before noticing would fail: its term is stale.
+
+A ``Broker`` used as a library without being started (no registration) does not take part: it
+serves every partition it is asked for, as the single shim of phase 1 did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fragments.memstore import LeaseExpired
+from fragments.store import Lease, MetadataError, MetadataStore
+
+log = logging.getLogger(__name__)
+
+BROKERS = "kafka/brokers/"
+OWNERS = "kafka/owners/"
+COORDINATORS = "kafka/coordinators/"
+TXN_COORDINATORS = "kafka/coordinators-txn/"
+NODE_ID_COUNTER = "kafka/node-ids"
+
+
+class NodeIdInUse(MetadataError):
+    """Another live shim is registered with this node id."""
+
+
+def partition_key(topic: str, partition: int) -> str:
+    return f"{OWNERS}{topic}/{partition}"
+
+
+def coordinator_key(key_type: int, key: str) -> str:
+    return f"{TXN_COORDINATORS if key_type == 1 else COORDINATORS}{key}"
+
+
+@dataclass(frozen=True, order=True)
+class BrokerInfo:
+    node_id: int
+    host: str
+    port: int
+
+    def encode(self) -> bytes:
+        return json.dumps({"node_id": self.node_id, "host": self.host, "port": self.port}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> BrokerInfo:
+        d = json.loads(raw)
+        return cls(int(d["node_id"]), str(d["host"]), int(d["port"]))
+
+
+def preferred(resource: str, node_ids: list[int]) -> int | None:
+    """Rendezvous hashing: the node with the highest hash of (resource, node)."""
+    best, best_h = None, b""
+    for n in node_ids:
+        h = hashlib.blake2b(f"{resource}\x00{n}".encode(), digest_size=8).digest()
+        if best is None or h > best_h:
+            best, best_h = n, h
+    return best
+
+
+class Ownership:
+    def __init__(self, store: MetadataStore, host: str, port: int, node_id: int | None = None,
+                 ttl_s: float = 10.0, on_lost: Callable[[set[str]], None] = lambda _r: None):
+        if ttl_s < 1.0:
+            raise ValueError("the lease TTL must be at least 1 s")
+        self.store = store
+        self.host = host
+        self.port = port
+        self.node_id = node_id
+        self.ttl_s = ttl_s
+        self.on_lost = on_lost
+        self.held: set[str] = set()
+        self._lease: Lease | None = None
+        self._valid_until = 0.0
+        self._task: asyncio.Task | None = None
+        self._claim_lock = asyncio.Lock()
+        self._brokers_cache: tuple[float, list[BrokerInfo]] = (0.0, [])
+        self.started = False
+
+    @property
+    def me(self) -> BrokerInfo:
+        return BrokerInfo(self.node_id, self.host, self.port)
+
+    # ---------------------------------------------------------------- registration
+    async def start(self) -> None:
+        if self.node_id is None:
+            self.node_id = await self.store.next_id(NODE_ID_COUNTER)
+        await self._register(wait_s=2 * self.ttl_s)
+        self._task = asyncio.get_running_loop().create_task(self._keepalive(), name=f"kafka-node-{self.node_id}")
+        self.started = True
+        log.info("Kafka shim registered as node %d (%s:%d), lease TTL %.1fs", self.node_id, self.host, self.port,
+                 self.ttl_s)
+
+    async def _register(self, wait_s: float) -> None:
+        key = BROKERS + str(self.node_id)
+        lease = await self.store.grant_lease(self.ttl_s)
+        started = time.monotonic()
+        deadline = started + wait_s
+        try:
+            while await self.store.create(key, self.me.encode(), lease=lease) is None:
+                if time.monotonic() > deadline:
+                    raise NodeIdInUse(f"node id {self.node_id} is registered by another live shim ({key})")
+                await asyncio.sleep(min(0.5, self.ttl_s / 4))
+        except BaseException:
+            with contextlib.suppress(MetadataError):
+                await lease.revoke()
+            raise
+        self._lease = lease
+        self._valid_until = started + self.ttl_s
+
+    async def _keepalive(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3 if self.valid else min(0.25, self.ttl_s / 4))
+            sent = time.monotonic()
+            try:
+                await self._lease.refresh()
+                self._valid_until = sent + self.ttl_s
+            except LeaseExpired:
+                self._lost("the lease expired")
+                try:
+                    await self._register(wait_s=2 * self.ttl_s)
+                    log.warning("node %d: registered again with a new lease", self.node_id)
+                except Exception as exc:
+                    log.warning("node %d: registering again failed: %r", self.node_id, exc)
+            except Exception as exc:
+                log.warning("node %d: refreshing the lease failed: %r", self.node_id, exc)
+
+    def _lost(self, why: str) -> None:
+        lost, self.held = self.held, set()
+        self._valid_until = 0.0
+        log.warning("node %d: %s; dropping %d partitions/groups", self.node_id, why, len(lost))
+        self.on_lost(lost)
+
+    @property
+    def valid(self) -> bool:
+        return time.monotonic() < self._valid_until
+
+    async def close(self) -> None:
+        """Deregister now: every key of ours vanishes and the survivors can claim at once."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.held = set()
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await self._lease.revoke()
+
+    # ---------------------------------------------------------------- who owns what
+    async def brokers(self, max_age_s: float = 0.0) -> list[BrokerInfo]:
+        """The live shims, by node id (``max_age_s``: a cached answer that recent will do)."""
+        if not self.started:
+            return [self.me]
+        at, cached = self._brokers_cache
+        if max_age_s > 0 and time.monotonic() - at < max_age_s:
+            return cached
+        out = []
+        for k, v in await self.store.list_prefix(BROKERS):
+            try:
+                out.append(BrokerInfo.decode(v.value))
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring a malformed broker registration at %s", k)
+        out.sort()
+        self._brokers_cache = (time.monotonic(), out)
+        return out
+
+    def owns(self, resource: str) -> bool:
+        if not self.started:  # a Broker used as a library without start(): single-shim behaviour
+            return True
+        return resource in self.held and self.valid
+
+    async def owners(self, prefix: str) -> dict[str, int]:
+        """Resource key -> node id of every held key under ``prefix``."""
+        out = {}
+        for k, v in await self.store.list_prefix(prefix):
+            with contextlib.suppress(ValueError):
+                out[k] = int(v.value)
+        return out
+
+    def owner_among(self, resource: str, holder: int | None, live: list[BrokerInfo]) -> BrokerInfo | None:
+        ids = [b.node_id for b in live]
+        node = holder if holder in ids else preferred(resource, ids)
+        return next((b for b in live if b.node_id == node), None)
+
+    async def owner(self, resource: str) -> BrokerInfo | None:
+        live = await self.brokers(max_age_s=0.5)
+        v = await self.store.get(resource)
+        holder = None
+        if v is not None:
+            with contextlib.suppress(ValueError):
+                holder = int(v.value)
+        return self.owner_among(resource, holder, live)
+
+    async def claim(self, resource: str) -> bool:
+        """Whether this shim owns ``resource`` now, claiming it if it is unowned and we are preferred."""
+        if self.owns(resource):
+            return True
+        if not self.valid:
+            return False
+        async with self._claim_lock:
+            if self.owns(resource):
+                return True
+            if await self.store.get(resource) is not None:
+                return False  # held by another live shim (or our own previous lease, until it expires)
+            live = [b.node_id for b in await self.brokers()]
+            if self.node_id not in live:
+                return False
+            if preferred(resource, live) != self.node_id:
+                return False
+            lease = self._lease
+            try:
+                created = await self.store.create(resource, str(self.node_id).encode(), lease=lease)
+            except LeaseExpired:
+                return False
+            if created is None or lease is not self._lease or not self.valid:
+                return False
+            self.held.add(resource)
+            log.info("node %d: claimed %s", self.node_id, resource)
+            return True
+
+    async def release(self, resource: str) -> None:
+        """Give ``resource`` up (its key is deleted so the preferred shim can claim it)."""
+        if resource in self.held:
+            self.held.discard(resource)
+            v = await self.store.get(resource)
+            if v is not None and v.value == str(self.node_id).encode():
+                await self.store.delete(resource, expected_version=v.version)

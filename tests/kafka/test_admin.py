@@ -1,0 +1,198 @@
+"""Admin APIs with confluent-kafka's AdminClient over real TCP against the shim: partitions, configs
+(and the retention they set on the streams), consumer groups, the cluster; and the retention floor
+committed offsets put on a partition's stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+confluent_kafka = pytest.importorskip("confluent_kafka")
+from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition  # noqa: E402
+from confluent_kafka.admin import (  # noqa: E402
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewPartitions,
+    NewTopic,
+    ResourceType,
+)
+
+from compat_kafka.batches import decode_entry  # noqa: E402
+from compat_kafka.groups import retention_floor  # noqa: E402
+from streams.client import connect  # noqa: E402
+
+from .test_groups import assignment, consumer, create_topic, poll_until, produce  # noqa: E402
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture()
+def admin(shim):
+    return AdminClient({"bootstrap.servers": shim.bootstrap})
+
+
+def error_name(fut) -> str:
+    with pytest.raises(KafkaException) as ei:
+        fut.result(timeout=20)
+    return ei.value.args[0].name()
+
+
+def stream_info(cluster, name: str):
+    """(LedgerMeta.retention, [(entry id, base offset, end offset)] of the Kafka entries) of a stream."""
+    async def go():
+        client = await connect(cluster.metadata_url)
+        try:
+            info = await client.describe_stream(name)
+            c = await client.consumer(name)
+            last = await c.end_position() - 1
+            batches, first = [], c.earliest()
+            while first <= last:
+                for e in await c.read_raw(first, last):
+                    first = e.entry_id + 1
+                    b = decode_entry(e.entry_id, e.data)
+                    if b is not None:
+                        batches.append((b.entry_id, b.base_offset, b.end_offset))
+            return info.meta.retention, batches
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def floor(cluster, name: str):
+    async def go():
+        client = await connect(cluster.metadata_url)
+        try:
+            meta, _ = await client.cluster.ledgers.get_ledger(name)
+            return await retention_floor(client, meta)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_create_partitions_grows_a_topic_and_never_shrinks(admin, shim, topic):
+    create_topic(shim.bootstrap, topic, 2)
+    assert error_name(admin.create_partitions([NewPartitions(topic, 1)])[topic]) == "INVALID_PARTITIONS"
+    assert error_name(admin.create_partitions([NewPartitions(topic, 2)])[topic]) == "INVALID_PARTITIONS"
+    admin.create_partitions([NewPartitions(topic, 5)], validate_only=True)[topic].result(timeout=20)
+    assert len(admin.list_topics(topic, timeout=10).topics[topic].partitions) == 2  # validate_only: no change
+    admin.create_partitions([NewPartitions(topic, 5)])[topic].result(timeout=20)
+    assert sorted(admin.list_topics(topic, timeout=10).topics[topic].partitions) == [0, 1, 2, 3, 4]
+    produce(shim.bootstrap, topic, 50, 5)  # the new partitions take records
+    c = consumer(shim.bootstrap, f"g-{topic}")
+    try:
+        c.assign([TopicPartition(topic, p, 0) for p in range(5)])
+        got: list = []
+        poll_until([c], lambda: len(got) >= 50, sink=got)
+        assert {m.partition() for _, m in got} == set(range(5))
+    finally:
+        c.close()
+    missing = admin.create_partitions([NewPartitions(f"{topic}-missing", 3)])
+    assert error_name(missing[f"{topic}-missing"]) == "UNKNOWN_TOPIC_OR_PART"
+
+
+def test_topic_configs_are_described_altered_and_set_stream_retention(admin, shim, kafka_cluster, topic):
+    fs = admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1,
+                                       config={"retention.ms": "60000", "max.message.bytes": "100000"})])
+    fs[topic].result(timeout=20)
+    res = ConfigResource(ResourceType.TOPIC, topic)
+    cfg = admin.describe_configs([res])[res].result(timeout=20)
+    assert cfg["retention.ms"].value == "60000" and not cfg["retention.ms"].is_default
+    assert cfg["retention.bytes"].value == "-1" and cfg["retention.bytes"].is_default
+    assert cfg["cleanup.policy"].value == "delete"
+    assert cfg["max.message.bytes"].value == "100000"
+    for p in (0, 1):
+        assert stream_info(kafka_cluster, f"{topic}-{p}")[0] == {"max_age_s": 60.0}
+
+    alter = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
+        ConfigEntry("retention.bytes", "1048576", incremental_operation=AlterConfigOpType.SET),
+        ConfigEntry("retention.ms", None, incremental_operation=AlterConfigOpType.DELETE)])
+    admin.incremental_alter_configs([alter])[alter].result(timeout=20)
+    cfg = admin.describe_configs([res])[res].result(timeout=20)
+    assert (cfg["retention.bytes"].value, cfg["retention.ms"].value) == ("1048576", "-1")
+    assert stream_info(kafka_cluster, f"{topic}-1")[0] == {"max_bytes": 1048576}
+    # growing the topic gives the new partition the topic's retention too
+    admin.create_partitions([NewPartitions(topic, 3)])[topic].result(timeout=20)
+    assert stream_info(kafka_cluster, f"{topic}-2")[0] == {"max_bytes": 1048576}
+
+    bad = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
+        ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET)])
+    assert error_name(admin.incremental_alter_configs([bad])[bad]) == "INVALID_CONFIG"
+    bad = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
+        ConfigEntry("retention.ms", "soon", incremental_operation=AlterConfigOpType.SET)])
+    assert error_name(admin.incremental_alter_configs([bad])[bad]) == "INVALID_CONFIG"
+    assert admin.describe_configs([res])[res].result(timeout=20)["retention.bytes"].value == "1048576"  # kept
+    fs = admin.create_topics([NewTopic(f"{topic}-x", 1, 1, config={"no.such.config": "1"})])
+    assert error_name(fs[f"{topic}-x"]) == "INVALID_CONFIG"
+    assert f"{topic}-x" not in admin.list_topics(timeout=10).topics
+
+    broker = ConfigResource(ResourceType.BROKER, "0")
+    bcfg = admin.describe_configs([broker])[broker].result(timeout=20)
+    assert bcfg["broker.id"].value == "0" and bcfg["group.initial.rebalance.delay.ms"].value == "100"
+    assert bcfg["num.partitions"].is_read_only
+
+
+def test_describe_cluster_names_this_shim_controller(admin, shim):
+    cluster = admin.describe_cluster().result(timeout=20)
+    assert cluster.cluster_id == "scroll"
+    assert (cluster.controller.id, cluster.controller.port) == (0, shim.port)
+    assert any(n.port == shim.port for n in cluster.nodes)
+
+
+def test_consumer_groups_listed_described_and_deleted_only_when_empty(admin, shim, topic):
+    create_topic(shim.bootstrap, topic, 2)
+    group = f"g-{topic}"
+    c = consumer(shim.bootstrap, group, **{"client.id": "describe-me"})
+    try:
+        c.subscribe([topic])
+        poll_until([c], lambda: len(assignment(c)) == 2)
+        c.commit(offsets=[TopicPartition(topic, 0, 0)], asynchronous=False)
+        listed = {g.group_id: g for g in admin.list_consumer_groups().result(timeout=20).valid}
+        assert group in listed and not listed[group].is_simple_consumer_group
+        assert listed[group].state.name == "STABLE"
+        d = admin.describe_consumer_groups([group])[group].result(timeout=20)
+        assert d.state.name == "STABLE" and d.partition_assignor in ("range", "roundrobin")
+        assert [m.client_id for m in d.members] == ["describe-me"]
+        assert {tp.partition for tp in d.members[0].assignment.topic_partitions} == {0, 1}
+        assert error_name(admin.delete_consumer_groups([group])[group]) == "NON_EMPTY_GROUP"
+    finally:
+        c.close()
+    offsets = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)])[group].result(timeout=20)
+    assert [(tp.topic, tp.partition, tp.offset) for tp in offsets.topic_partitions] == [(topic, 0, 0)]
+    d = admin.describe_consumer_groups([group])[group].result(timeout=20)
+    assert d.state.name == "EMPTY" and not d.members
+    admin.delete_consumer_groups([group])[group].result(timeout=20)
+    assert group not in {g.group_id for g in admin.list_consumer_groups().result(timeout=20).valid}
+    assert error_name(admin.delete_consumer_groups([group])[group]) == "GROUP_ID_NOT_FOUND"
+
+
+def test_retention_floor_is_the_entry_of_the_lowest_committed_offset(admin, shim, kafka_cluster, topic):
+    create_topic(shim.bootstrap, topic, 1)
+    stream = f"{topic}-0"
+    assert floor(kafka_cluster, stream) is None  # no Kafka batch yet
+    for i in range(6):  # one batch (one entry) per flush: offsets 0..5, one each
+        produce(shim.bootstrap, topic, 1, 1, prefix=f"b{i}-")
+    _, batches = stream_info(kafka_cluster, stream)
+    assert [(b, e) for _, b, e in batches] == [(i, i + 1) for i in range(6)]
+    entry = {base: eid for eid, base, _ in batches}
+    assert floor(kafka_cluster, stream) == entry[5]  # no group yet: the last batch still stays
+
+    def commit(group: str, offset: int) -> None:
+        c = consumer(shim.bootstrap, group)
+        try:
+            c.commit(offsets=[TopicPartition(topic, 0, offset)], asynchronous=False)
+        finally:
+            c.close()
+
+    commit(f"a-{topic}", 4)
+    assert floor(kafka_cluster, stream) == entry[4]
+    commit(f"b-{topic}", 2)
+    assert floor(kafka_cluster, stream) == entry[2]  # the lowest group wins
+    admin.delete_consumer_groups([f"b-{topic}"])[f"b-{topic}"].result(timeout=20)
+    assert floor(kafka_cluster, stream) == entry[4]
+    commit(f"a-{topic}", 6)  # consumed everything: the last batch is still kept
+    assert floor(kafka_cluster, stream) == entry[5]
