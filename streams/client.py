@@ -58,7 +58,7 @@ class Producer:
     @property
     def stream_id(self) -> int:
         """The ledger id of the stream this producer writes."""
-        return self._driver.writer.meta.ledger_id
+        return self._driver.writer.ledger.ledger_id
 
     @property
     def lac(self) -> int:

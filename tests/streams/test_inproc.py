@@ -46,6 +46,7 @@ def test_produce_consume_take_over_in_process(tmp_path):
             futs = [await p1.append_future(b"a%d" % i) for i in range(200)]
             positions = await asyncio.gather(*futs)
             assert positions == list(range(1, 201))
+            assert p1.lac == 200 and p1.stream_id == (await client.describe_stream("s")).meta.ledger_id
             p2 = await client.producer("s")  # take-over
             assert p2.term == p1.term + 1
             with pytest.raises(StaleTermError):
