@@ -229,7 +229,7 @@ class Standalone:
         from .client import connect
 
         client = await connect(self.config.metadata_url)
-        next_retention = time.monotonic() + min(30.0, self.config.retention_interval_s)
+        next_retention = time.monotonic() + min(10.0, self.config.retention_interval_s)
         next_stream_metrics = 0.0
         backoff_until = 0.0
         try:
@@ -269,10 +269,11 @@ class Standalone:
             return
         if self._metrics:
             self._metrics["retention_runs"].labels("ok").inc()
-            removed_bytes = int(getattr(report, "bytes_removed", 0) or 0)
-            removed_frags = int(getattr(report, "fragments_removed", 0) or 0)
-            self._metrics["retention_bytes"].inc(removed_bytes)
-            self._metrics["retention_fragments"].inc(removed_frags)
+            self._metrics["retention_bytes"].inc(report.bytes)
+            self._metrics["retention_fragments"].inc(report.fragments)
+        if report.fragments:
+            log.info("retention removed %d fragments (%d entries, %d bytes)", report.fragments, report.entries,
+                     report.bytes)
 
 
 def run(config: StandaloneConfig) -> None:

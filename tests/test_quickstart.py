@@ -52,7 +52,7 @@ class Run:
     def __init__(self, data: Path, ports: dict[str, int]):
         args = (f"--data-dir {data} --etcd-port {ports['etcd']} --etcd-peer-port {ports['peer']} "
                 f"--kafka-port {ports['kafka']} --bookie-port {ports['bookie']} --metrics-port {ports['metrics']} "
-                "--retention-interval 3600")
+                "--retention-interval 1")
         self.log = data.parent / f"run-{time.monotonic_ns()}.log"
         self.out = open(self.log, "wb")
         self.p = subprocess.Popen(["make", "--no-print-directory", "run", f"ARGS={args}"], cwd=ROOT,
@@ -120,8 +120,22 @@ def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
         got = python(f"import streams.sync as s; c = s.connect({url!r}); "
                      "print([r.value for r in c.consumer('greetings-0').read(10)])")
         assert got.strip() == "[b'hello', b'one', b'two']"
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).read().decode()
+        # scheduled retention: a stream of 10-entry fragments that keeps positions >= 30
+        python(f"import streams.sync as s; c = s.connect({url!r}); c.create_stream('logs', fragment_entries_max=10); "
+               "p = c.producer('logs'); [p.append(b'line-%d' % i) for i in range(50)]; p.close()")
+        subprocess.run([str(ROOT / ".venv/bin/scroll"), "retention", "set", "logs", "--keep-from", "30",
+                        "--metadata", url], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).read().decode()
+            m = re.search(r"^scroll_retention_removed_fragments_total (\S+)$", metrics, re.M)
+            if m and float(m.group(1)) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert 'scroll_process_up{process="kafka"} 1.0' in metrics
+        assert m and float(m.group(1)) >= 2, metrics
+        got = python(f"import streams.sync as s; c = s.connect({url!r}); print(c.consumer('logs').earliest())")
+        assert 20 <= int(got) <= 30
         assert "stopped; data kept in" in run.ctrl_c()
         for p in (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"]):
             assert not _listening(p), f"something still listens on port {p} after Ctrl-C"
