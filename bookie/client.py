@@ -103,6 +103,7 @@ class ReadResult:
     lafr: int
     entries: list[Entry]  # contiguous from the first id asked
     stop: Status  # why the run ended: OK (range or a limit reached), NO_SUCH_ENTRY, CORRUPT
+    term: int = -1  # the bookie's term for the ledger
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ class LacResult:
     lac: int
     lafr: int
     timed_out: bool
+    term: int = -1  # the bookie's term for the ledger
 
 
 @dataclass(frozen=True, slots=True)
@@ -496,7 +498,7 @@ class BookieClient:
             entries.append(Entry(eid, term, data, dtype, dig))
         if not entries:
             raise CorruptEntryError(f"ledger {ledger_id} entry {first}: digest mismatch")
-        return ReadResult(r.lac, r.lafr, entries, stop)
+        return ReadResult(r.lac, r.lafr, entries, stop, r.bookie_term)
 
     async def read_lac(self, ledger_id: int, after_lac: int = -1, timeout_s: float = 0.0) -> LacResult:
         """The ledger's LAC; with a timeout, waits until it is > after_lac (long poll)."""
@@ -504,7 +506,7 @@ class BookieClient:
         r = await self._unary(self._stub.ReadLac, req, extra_s=timeout_s)
         if r.status != Status.OK:
             raise error_for(r.status, r.error or f"read LAC of ledger {ledger_id}")
-        return LacResult(r.lac, r.lafr, r.timed_out)
+        return LacResult(r.lac, r.lafr, r.timed_out, r.bookie_term)
 
     async def trim(self, ledger_id: int, first: int, last: int) -> None:
         """Delete the ledger's entries with first <= id <= last (retention)."""

@@ -189,10 +189,12 @@ class BookieService(pb_grpc.BookieServicer):
             return pb.ReadResponse(status=code, error=message)
         entries = res.entries
         status = Status.OK if entries else res.stop
+        st = self.engine.state(request.ledger_id)
+        term = st.term if st is not None else -1
         if not entries:
-            return pb.ReadResponse(status=status, lac=res.lac, lafr=res.lafr, stop_status=res.stop)
+            return pb.ReadResponse(status=status, lac=res.lac, lafr=res.lafr, stop_status=res.stop, bookie_term=term)
         return pb.ReadResponse(
-            status=status, lac=res.lac, lafr=res.lafr, stop_status=res.stop,
+            status=status, lac=res.lac, lafr=res.lafr, stop_status=res.stop, bookie_term=term,
             entry_id=[eid for eid, _e in entries], entry_term=[e[0] for _i, e in entries],
             digest_type=[e[1] for _i, e in entries], digest=[e[2] for _i, e in entries], data=[e[3] for _i, e in entries],
         )
@@ -217,7 +219,8 @@ class BookieService(pb_grpc.BookieServicer):
         st = engine.state(lid)
         if st is None:
             return pb.ReadLacResponse(status=Status.NO_SUCH_LEDGER, lac=-1, lafr=-1, timed_out=timed_out)
-        return pb.ReadLacResponse(status=Status.OK, lac=st.lac, lafr=st.lafr, timed_out=timed_out or st.lac <= request.after_lac)
+        return pb.ReadLacResponse(status=Status.OK, lac=st.lac, lafr=st.lafr, bookie_term=st.term,
+                                  timed_out=timed_out or st.lac <= request.after_lac)
 
     # ---------------------------------------------------------------- trims, info
 

@@ -20,6 +20,7 @@ from bookie.client import ReadResult
 from bookie.errors import BookieError
 from fragments.model import Fragment, LedgerMeta, LedgerStatus, fragment_for
 from terms import entry as entry_codec
+from terms.quorum import write_set
 from terms.reader import copy_is_current, read_order
 
 from . import records
@@ -44,6 +45,7 @@ class Consumer:
         self.fragments: list[Fragment] = []
         self.position = 0
         self.lac = -1
+        self.seen_term = -1  # the highest term a bookie answered with (see _read_one)
         self._rotate = 0
 
     # ---------------------------------------------------------------- position
@@ -158,6 +160,7 @@ class Consumer:
                 log.debug("stream=%s LAC read from %s failed: %s", self.name, b, exc)
                 continue
             self.lac = max(self.lac, r.lac)
+            self.seen_term = max(self.seen_term, r.term)
             return
         await self._refresh()  # the ensemble may have changed
         await asyncio.sleep(min(wait_s, 0.1))  # no bookie answered: do not spin until the deadline
@@ -218,10 +221,24 @@ class Consumer:
             log.debug("stream=%s read %s..%s from %s failed: %s", self.name, first, last, bookie, exc)
             return []
         self.lac = max(self.lac, r.lac)
+        self.seen_term = max(self.seen_term, r.term)
+        ws = None
+        if self.seen_term > self.meta.term:
+            # A term newer than our metadata view exists: the fragment's ensemble may have changed
+            # and its tail been truncated by the new term since we cached it. A member replaced in
+            # the meantime can keep a dirty copy the truncation never reached, so re-read the
+            # metadata and keep only copies from a bookie still in each entry's write set.
+            await self._refresh()
+            fresh = fragment_for(self.fragments, first)
+            if fresh is None:
+                return []
+            f, wq = fresh, self.meta.config.write_quorum
+            ws = lambda eid: write_set(eid, f.ensemble, wq)  # noqa: E731
         out = []
         expect = first
         for e in r.entries:
-            if e.entry_id != expect or e.entry_id > last or not copy_is_current(f, e.entry_term):
+            if e.entry_id != expect or e.entry_id > last or not f.contains(e.entry_id) \
+                    or not copy_is_current(f, e.entry_term) or (ws is not None and bookie not in ws(e.entry_id)):
                 break
             out.append(e)
             expect += 1

@@ -204,7 +204,7 @@ class SimBookie:
     def receive(self, client: str, req, reply) -> None:
         if isinstance(req, ReadRequest):
             e = self.entries.get(req.entry_id)
-            reply(("read", req.entry_id, e, self.lac))
+            reply(("read", req.entry_id, e, self.lac, self.state.term if self.state else -1))
             return
         before = self.state
         d = decide(before, req)
@@ -468,14 +468,22 @@ class SimReader:
         self.name, self.world = name, world
         self.next_id = 0
         self.lac = -1
+        self.seen_term = -1  # the highest term any bookie answered with
+        self.view_term = -1  # the ledger term of the metadata view the reader uses
         self.busy = False
+
+    def _view(self, entry_id: int) -> Fragment:
+        """A metadata snapshot (what the real consumer's refresh reads): the fragment of entry_id."""
+        world = self.world
+        self.view_term = world.meta.ledger.term
+        frags = world.meta.current_fragments()
+        return next((f for f in frags if f.contains(entry_id)), frags[-1])
 
     def act(self) -> None:
         world = self.world
         if not self.busy:
             self.busy = True
-            frags = world.meta.current_fragments()
-            target = next((f for f in frags if f.contains(self.next_id)), frags[-1])
+            target = self._view(self.next_id)
             order = list(write_set(self.next_id, target.ensemble, world.opts.write_quorum))
             world.sim.rng.shuffle(order)
             self._try(target, order, self.next_id)
@@ -496,13 +504,26 @@ class SimReader:
             if done[0]:
                 return
             done[0] = True
-            _, eid, e, lac = ev
+            _, eid, e, lac, bookie_term = ev
             self.lac = max(self.lac, lac)
+            self.seen_term = max(self.seen_term, bookie_term)
             if eid > self.lac:
                 self.busy = False
                 return
-            if e is None or not copy_is_current(frag, e[0]):
-                self._try(frag, rest, entry_id)
+            f, left = frag, rest
+            if self.seen_term > self.view_term:
+                # A newer term exists than our view knows: the ensemble may have changed and the
+                # entry been truncated since. Re-read the metadata and take the copy only from a
+                # bookie still in the entry's write set (a replaced member may keep a dirty copy
+                # that the new term's truncation never reached); only such bookies are tried next.
+                f = self._view(entry_id)
+                ws = write_set(entry_id, f.ensemble, world.opts.write_quorum)
+                left = [b for b in ws if b != bookie and (b in rest or b not in order)]
+                if bookie not in ws:
+                    self._try(f, left, entry_id)
+                    return
+            if e is None or not copy_is_current(f, e[0]):
+                self._try(f, left, entry_id)
                 return
             world.stats.reads += 1
             world.observe_read(self.name, eid, e[1])
