@@ -1,0 +1,195 @@
+"""Reading Scroll streams into Spark: batch reads, streaming reads with admission control,
+checkpoint restarts, a writer take-over during a query, and data removed by retention."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+
+import pytest
+
+from .helpers import produce, remove_front_fragments
+
+pytestmark = pytest.mark.process
+
+
+def _recs(n, prefix="v", start=0):
+    out = []
+    for i in range(start, start + n):
+        out.append({
+            "value": f"{prefix}{i}".encode(),
+            "key": None if i % 5 == 0 else f"k{i % 3}".encode(),
+            "headers": [("h", f"x{i}".encode()), ("n", None)] if i % 2 else [],
+            "timestamp_ms": 1_700_000_000_000 + i,
+        })
+    return out
+
+
+def _reader(spark, url, **opts):
+    r = spark.read.format("scroll").option("metadata", url)
+    for k, v in opts.items():
+        r = r.option(k, v)
+    return r.load()
+
+
+def test_batch_read_equals_what_was_produced(spark, spark_cluster, stream_name):
+    url = spark_cluster.metadata_url
+    first = _recs(30)
+    pos1 = produce(url, stream_name, first, create={"ensemble": 3, "write_quorum": 2, "ack_quorum": 2})
+    second = _recs(20, start=30)
+    pos2 = produce(url, stream_name, second)  # a second producer: a take-over and a no-op position between
+    assert pos2[0] > pos1[-1] + 1, "the take-over left no no-op position: the test would not cover skipping them"
+    df = _reader(spark, url, streams=stream_name, includeHeaders="true")
+    rows = sorted(df.collect(), key=lambda r: r.offset)
+    expected = first + second
+    assert [r.offset for r in rows] == pos1 + pos2
+    for r, e in zip(rows, expected):
+        assert (r.key, r.value, r.stream) == (e["key"], e["value"], stream_name)
+        assert [(h.key, h.value) for h in r.headers] == list(e["headers"])
+        assert r.timestamp.replace(tzinfo=UTC) == datetime.fromtimestamp(e["timestamp_ms"] / 1000, UTC)
+    # endingOffsets / startingOffsets as JSON: a half-open range of positions
+    part = _reader(spark, url, streams=stream_name, startingOffsets=json.dumps({stream_name: pos1[5]}),
+                   endingOffsets=json.dumps({stream_name: pos2[3]}))
+    assert sorted(r.offset for r in part.collect()) == pos1[5:] + pos2[:3]
+    assert "headers" not in part.columns
+
+
+def test_min_partitions_splits_the_read(spark, spark_cluster, stream_name):
+    url = spark_cluster.metadata_url
+    recs = [{"value": f"m{i}".encode()} for i in range(200)]
+    positions = produce(url, stream_name, recs, create={"fragment_entries_max": 50})
+    df = _reader(spark, url, streams=stream_name, minPartitions="4")
+    assert df.rdd.getNumPartitions() >= 4
+    assert sorted(r.offset for r in df.collect()) == positions
+    assert df.count() == 200
+
+
+def test_bad_options_fail_clearly(spark, spark_cluster, stream_name):
+    url = spark_cluster.metadata_url
+    with pytest.raises(Exception, match="exactly one of the options 'streams'"):
+        _reader(spark, url, streams="a", streamPattern="a.*").collect()
+    with pytest.raises(Exception, match="no stream named"):
+        _reader(spark, url, streams=stream_name + "-missing").collect()
+    with pytest.raises(Exception, match="maxRecordsPerTrigger"):
+        (spark.readStream.format("scroll").option("metadata", url).option("streams", "x")
+         .option("maxRecordsPerTrigger", "many").load().writeStream.format("console").start().awaitTermination(30))
+
+
+def _collect_batches(spark, url, streams, checkpoint, **opts):
+    """Run a Trigger.AvailableNow query to the end. Returns the non-empty batches as
+    [(batch id, positions planned for the batch, [(stream, offset, value)])]."""
+    got = {}
+    reader = (spark.readStream.format("scroll").option("metadata", url).option("streams", streams))
+    for k, v in opts.items():
+        reader = reader.option(k, v)
+
+    def each(df, batch_id):
+        got[batch_id] = [(r.stream, r.offset, r.value) for r in df.collect()]
+
+    q = (reader.load().writeStream.foreachBatch(each).option("checkpointLocation", checkpoint)
+         .trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    assert not q.isActive
+    if q.exception() is not None:
+        raise q.exception()
+    planned = {}
+    for p in q.recentProgress:
+        src = p.sources[0]
+        start = (json.loads(src.startOffset) if src.startOffset else None) or {}
+        end = json.loads(src.endOffset)
+        planned[p.batchId] = sum(int(e) - int(start.get(s, 0)) for s, e in end.items())
+    return [(b, planned[b], got[b]) for b in sorted(got) if got[b]]
+
+
+def test_streaming_admission_control_and_restart(spark, spark_cluster, stream_name, tmp_path):
+    url = spark_cluster.metadata_url
+    a, b = stream_name + "-a", stream_name + "-b"
+    pa = produce(url, a, [{"value": f"a{i}".encode()} for i in range(20)], create={})
+    pb = produce(url, b, [{"value": f"b{i}".encode()} for i in range(10)], create={})
+    ck = str(tmp_path / "ck")
+    batches = _collect_batches(spark, url, f"{a},{b}", ck, startingOffsets="earliest", maxRecordsPerTrigger="9")
+    # maxRecordsPerTrigger counts positions (a no-op of each producer's take-over holds one too)
+    total = pa[-1] + 1 + pb[-1] + 1
+    assert [n for _, n, _ in batches] == [9, 9, 9, total - 27]
+    # the first batch splits the limit in proportion to the backlogs
+    first = batches[0][2]
+    share_a = round(9 * (pa[-1] + 1) / total)
+    assert max(o for s, o, _ in first if s == a) < share_a and max(o for s, o, _ in first if s == b) < 9 - share_a
+    # stop; more data; restart from the checkpoint: exactly the new records, nothing again
+    pa += produce(url, a, [{"value": f"a{i}".encode()} for i in range(20, 27)])
+    pb += produce(url, b, [{"value": f"b{i}".encode()} for i in range(10, 15)])
+    again = _collect_batches(spark, url, f"{a},{b}", ck, startingOffsets="earliest", maxRecordsPerTrigger="9")
+    assert [n for _, n, _ in again] == [9, pa[-1] + 1 + pb[-1] + 1 - total - 9]
+    assert again[0][0] > batches[-1][0]
+    rows = [(s, o, v) for _, _, rs in batches + again for s, o, v in rs]
+    assert len(rows) == len(set(rows)) == 42
+    assert sorted(rows) == sorted([(a, p, f"a{i}".encode()) for i, p in enumerate(pa)]
+                                  + [(b, p, f"b{i}".encode()) for i, p in enumerate(pb)])
+
+
+def test_writer_takeover_during_streaming_read(spark, spark_cluster, stream_name, tmp_path):
+    url = spark_cluster.metadata_url
+    from streams.errors import StaleTermError
+    from streams.sync import connect
+
+    seen = []
+
+    def each(df, batch_id):
+        seen.extend((r.offset, r.value) for r in df.collect())
+
+    with connect(url) as c:
+        c.create_stream(stream_name)
+        p1 = c.producer(stream_name)
+        expected = [(p1.append(f"one{i}".encode()), f"one{i}".encode()) for i in range(15)]
+        q = (spark.readStream.format("scroll").option("metadata", url).option("streams", stream_name)
+             .option("startingOffsets", "earliest").load().writeStream.foreachBatch(each)
+             .option("checkpointLocation", str(tmp_path / "ck")).trigger(processingTime="200 milliseconds").start())
+        try:
+            _wait(lambda: len(seen) >= 15, q)
+            p2 = c.producer(stream_name)  # takes the stream over while the query runs
+            with pytest.raises(StaleTermError):
+                p1.append(b"fenced")
+            expected += [(p2.append(f"two{i}".encode()), f"two{i}".encode()) for i in range(15)]
+            p2.close()
+            _wait(lambda: len(seen) >= 30, q)
+            time.sleep(1.0)  # a few more triggers: nothing else may show up
+        finally:
+            q.stop()
+    assert seen == expected
+
+
+def _wait(cond, q, timeout=90):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if q.exception() is not None:
+            raise q.exception()
+        assert time.monotonic() < deadline, "the streaming query did not catch up"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("fail", [True, False], ids=["fail", "skip"])
+def test_data_removed_by_retention(spark, spark_cluster, stream_name, tmp_path, fail):
+    url = spark_cluster.metadata_url
+    p0 = produce(url, stream_name, [{"value": f"r{i}".encode()} for i in range(5)], create={"fragment_entries_max": 10})
+    ck = str(tmp_path / "ck")
+    done = _collect_batches(spark, url, stream_name, ck, startingOffsets="earliest")
+    assert [len(rows) for _, _, rows in done] == [5]
+    positions = produce(url, stream_name, [{"value": f"r{i}".encode()} for i in range(5, 45)])
+    earliest = remove_front_fragments(url, stream_name, 2)
+    resume_at = p0[-1] + 1  # the offset the checkpoint holds
+    assert earliest > resume_at
+    if fail:
+        with pytest.raises(Exception) as info:
+            _collect_batches(spark, url, stream_name, ck, startingOffsets="earliest")
+        msg = str(info.value)
+        assert stream_name in msg and f"position {resume_at} " in msg and f"earliest position now is {earliest}" in msg
+        with pytest.raises(Exception, match="data loss"):
+            _reader(spark, url, streams=stream_name, startingOffsets=json.dumps({stream_name: 0})).collect()
+    else:
+        after = _collect_batches(spark, url, stream_name, ck, startingOffsets="earliest", failOnDataLoss="false")
+        offsets = [o for _, _, rows in after for _, o, _ in rows]
+        assert offsets == [p for p in positions if p >= earliest]
+        rows = _reader(spark, url, streams=stream_name, failOnDataLoss="false",
+                       startingOffsets=json.dumps({stream_name: 0})).collect()
+        assert sorted(r.offset for r in rows) == [p for p in positions if p >= earliest]
