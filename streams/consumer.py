@@ -159,7 +159,11 @@ class Consumer:
             except BookieError as exc:
                 log.debug("stream=%s LAC read from %s failed: %s", self.name, b, exc)
                 continue
-            self.lac = max(self.lac, r.lac)
+            # A fragment starting at F exists only once every entry below F was acknowledged
+            # (rollover drains first; an ensemble change starts at LAFR + 1), so LAC >= F - 1 even
+            # when this member, new to the fragment, has not been told (LAC writes reach a member
+            # only after its first add of the term).
+            self.lac = max(self.lac, r.lac, self.fragments[-1].first_entry_id - 1)
             self.seen_term = max(self.seen_term, r.term)
             return
         await self._refresh()  # the ensemble may have changed

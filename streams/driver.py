@@ -20,6 +20,7 @@ import logging
 import random
 from dataclasses import dataclass
 
+from bookie.client import LacWritten
 from fragments.ledgers import LedgerStore
 from fragments.placement import BookieInfo, Placement
 from fragments.store import MetadataUnavailable
@@ -106,9 +107,7 @@ class WriterDriver:
         w = self.writer
         if w is not None and w.phase is Phase.OPEN:
             await self.flush()
-            self._execute(w.push_lac())
-            if self._tasks:  # the LAC writes: readers see the last entries once close returns
-                await asyncio.wait(list(self._tasks), timeout=self.cluster.call_timeout_s)
+            await self._publish_lac(w)  # readers see the last entries once close returns
             if seal:
                 self._closed = asyncio.get_running_loop().create_future()
                 self._execute(w.close())
@@ -118,6 +117,43 @@ class WriterDriver:
             self._tick_task = None
         for t in list(self._tasks):
             t.cancel()
+
+    async def _publish_lac(self, w: LedgerWriter) -> None:
+        """Leave the final LAC on every member of the last fragment (a reader asks any one of
+        them). A metadata change in flight (rollover, ensemble change) holds pushes back, so it is
+        let land first; LAC writes that fail (a timeout under load) are retried until the deadline,
+        since the idle push counts a LAC as pushed once it is sent."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(5.0, 2 * self.cluster.call_timeout_s)
+        while w.phase is Phase.OPEN and w.cas_reason is not None and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        cmds = w.push_lac(force=True)
+        todo = [c for c in cmds if isinstance(c, SendLacWrite)]
+        self._execute([c for c in cmds if not isinstance(c, SendLacWrite)])
+        while todo and w is self.writer and w.phase is Phase.OPEN:
+            results = await asyncio.gather(*(self._lac_write_once(c) for c in todo))
+            for ev in results:
+                if isinstance(ev, InvalidTerm):
+                    self._feed(w, ev)
+                    return
+            todo = [c for c, ev in zip(todo, results) if not isinstance(ev, LacWritten)]
+            if not todo or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        if todo:
+            log.warning("stream=%s: the final LAC %d did not reach %s; readers of those bookies see it after the "
+                        "next write or take-over", self.name, w.lac, [c.bookie for c in todo])
+
+    async def _lac_write_once(self, c: SendLacWrite):
+        r = c.request
+        client = self.cluster.client(c.bookie)
+        if client is None:
+            return None
+        try:
+            return await client.write_lac(r.ledger_id, r.term, r.lac, r.lafr)
+        except Exception as exc:  # noqa: BLE001 - a failed attempt is retried
+            log.debug("stream=%s LAC write to %s failed: %s", self.name, c.bookie, exc)
+            return None
 
     # ---------------------------------------------------------------- appends
     def append_nowait(self, data: bytes) -> asyncio.Future:

@@ -206,10 +206,11 @@ class LedgerWriter:
             self.inflight_bytes + nbytes <= self.config.max_inflight_bytes or not self.pending
         )
 
-    def push_lac(self) -> list[Command]:
+    def push_lac(self, force: bool = False) -> list[Command]:
         """Push the LAC to the ensemble now (a producer that stops must leave its last entries
-        visible to readers, not wait for an idle tick that will never come)."""
-        if self.phase is Phase.OPEN and self.lac > self.lac_pushed and self.cas_reason is None:
+        visible to readers, not wait for an idle tick that will never come). ``force``: even if
+        this LAC was pushed before (that push may have been lost; the driver retries these)."""
+        if self.phase is Phase.OPEN and (self.lac > self.lac_pushed or force) and self.cas_reason is None:
             self._push_lac()
         return self._drain()
 

@@ -287,3 +287,32 @@ def test_noop_entries_never_reach_consumers(client, stream_name):
     assert [r.value for r in records] == [b"x", b"x", b"x"]
     # each take-over's no-op keeps its id (0, 2, 4) but never reaches the consumer
     assert [r.position for r in records] == [1, 3, 5]
+
+
+def test_after_close_every_member_of_the_last_fragment_shows_the_final_lac(client, cluster, stream_name):
+    """A reader asks any one member of the last fragment for the LAC, so a closing producer must
+    leave it visible through all of them — also when the close races a rollover (a pending
+    metadata change holds LAC pushes back) and a member is briefly unreachable (retried)."""
+
+    client.create_stream(stream_name, fragment_entries_max=20)
+    p = client.producer(stream_name)
+    p.append_many([b"r%d" % i for i in range(59)])  # the close lands right at a rollover (entry 60)
+    info = client.describe_stream(stream_name)
+    victim = cluster.bookie_ports.index(cluster.bookie_ports[int(info.fragments[-1].ensemble[0].split("-")[1])])
+    cluster.bookies[victim].signal(signal.SIGSTOP)
+    resume = threading.Timer(1.5, lambda: cluster.bookies[victim].signal(signal.SIGCONT))
+    resume.start()
+    try:
+        p.close()
+    finally:
+        resume.join()
+        cluster.bookies[victim].signal(signal.SIGCONT)
+    # whichever member of the last fragment a reader asks for the LAC, it sees every record at once
+    # (the close raced the rollover at 60: the last fragment's members new to it hold an older LAC,
+    # which the reader lifts to the fragment's first entry - 1)
+    c = client.consumer(stream_name, start="earliest")
+    for k in range(3):
+        c._c.lac, c._c._rotate = -1, k  # start over, asking the next member
+        assert c.end_position() == 60
+    assert len(c.read(100)) == 59
+    assert len(read_all(client, stream_name)) == 59
