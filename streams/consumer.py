@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 EARLIEST = "earliest"
 LATEST = "latest"
+STRIPED_RUNS = 32  # concurrent replica reads per range of a striped fragment
 
 
 class Consumer:
@@ -174,14 +175,41 @@ class Consumer:
             f = await self._fragment(first)
             if f.last_entry_id is not None:
                 last = min(last, f.last_entry_id)
-            order = read_order(f, first, self.meta.config.write_quorum, self._rotate)
-            self._rotate += 1
-            got = await self._read_from_replicas(f, order, first, last)
+            wq = self.meta.config.write_quorum
+            order = read_order(f, first, wq, self._rotate)
+            if len(f.ensemble) > wq and last > first:
+                got = await self._read_striped(f, first, last, wq)
+            else:
+                self._rotate += 1
+                got = await self._read_from_replicas(f, order, first, last)
             if got:
                 return got
             await self._refresh()
         raise ReadFailedError(
             f"stream {self.name!r}: no replica served entry {first} (LAC {self.lac}); bookies {list(order)}")
+
+    async def _read_striped(self, f: Fragment, first: int, last: int, wq: int):
+        """Under striping (E > WQ) a bookie holds runs of at most WQ consecutive entries, so one
+        replica read returns one short run. Split the range into runs, each held whole by the
+        first bookie of its read order, read up to ``STRIPED_RUNS`` of them at once (each with the
+        usual fail-over) and return the contiguous prefix."""
+        runs = []
+        i = first
+        while i <= last and len(runs) < STRIPED_RUNS:
+            order = read_order(f, i, wq, self._rotate)
+            j = i
+            while j < last and order[0] in write_set(j + 1, f.ensemble, wq):
+                j += 1
+            runs.append((i, j, order))
+            i = j + 1
+        self._rotate += 1
+        results = await asyncio.gather(*(self._read_from_replicas(f, order, a, b) for a, b, order in runs))
+        out = []
+        for (_a, b, _order), got in zip(runs, results):
+            out.extend(got)
+            if not got or got[-1].entry_id != b:
+                break
+        return out
 
     async def _read_from_replicas(self, f: Fragment, order, first: int, last: int):
         pending: set[asyncio.Task] = set()

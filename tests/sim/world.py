@@ -408,7 +408,7 @@ class SimClient:
             if isinstance(r, ReadRequest):  # the unsafe skip-fencing switch reads without a term
                 def on_answer(ev, b=c.bookie, eid=r.entry_id):
                     if isinstance(ev, tuple):
-                        _, _, e, _ = ev
+                        _, _, e, *_ = ev
                         ev = ReadMissing(b, LEDGER, eid, w.term) if e is None else ReadOk(b, LEDGER, eid, w.term, *e)
                     return w.handle(ev)
             self._request(w, c.bookie, r, on_answer, ReadFailed(c.bookie, LEDGER, r.entry_id, w.term))

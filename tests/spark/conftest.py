@@ -44,6 +44,9 @@ def spark(tmp_path_factory):
                .config("spark.default.parallelism", "2")
                .config("spark.sql.session.timeZone", "UTC")
                .config("spark.sql.streaming.stopTimeout", "30s")
+               # a loaded 2-core CI machine can take longer than the default 15 s to start a
+               # Python worker that connects back
+               .config("spark.python.authenticate.socketTimeout", "120s")
                .config("spark.sql.warehouse.dir", str(tmp_path_factory.mktemp("warehouse")))
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
