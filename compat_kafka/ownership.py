@@ -196,6 +196,8 @@ class Ownership:
                 out.append(BrokerInfo.decode(v.value))
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring a malformed broker registration at %s", k)
+        if self.valid and all(b.node_id != self.me.node_id for b in out):
+            out.append(self.me)  # our own registration may not be listed yet (just started or renewed)
         out.sort()
         self._brokers_cache = (time.monotonic(), out)
         return out
