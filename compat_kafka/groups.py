@@ -62,7 +62,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -71,9 +71,9 @@ from kio.schema.errors import ErrorCode
 from streams.consumer import EARLIEST
 
 from . import codec
-from .batches import decode_entry
 from .codec import ZERO_MS, build, nested
 from .errors import code_for
+from .partition import next_batch, search_offset
 
 log = logging.getLogger(__name__)
 
@@ -1015,48 +1015,30 @@ def _store_error(exc: BaseException) -> ErrorCode:
 
 
 # ---------------------------------------------------------------- the retention floor
-@dataclass
 class _Probe:
-    """Binary search over a stream's entries for the one holding a Kafka offset (read-only: works
-    on any process, not just the shim owning the partition)."""
+    """Finds the entry of the batch holding a Kafka offset by binary search over a stream's entries
+    (read-only: works on any process, not just the shim owning the partition)."""
 
-    reader: Any
-    last: int  # the LAC
-    reads: int = field(default=0)
+    def __init__(self, reader: Any, last: int):
+        self.reader = reader
+        self.last = last  # the LAC
+        self.reads = 0
 
     async def next_batch(self, first: int, last: int):
-        """The first Kafka entry in first..last (skipping no-ops), or None."""
-        while first <= last:
-            self.reads += 1
-            for e in await self.reader.read_raw(first, min(last, first + 15)):
-                first = e.entry_id + 1
-                b = decode_entry(e.entry_id, e.data)
-                if b is not None:
-                    return b
-        return None
+        self.reads += 1
+        return await next_batch(self.reader, first, last)
 
     async def entry_for(self, offset: int) -> int | None:
         """The entry id of the batch holding ``offset``; the first retained Kafka entry when the
         offset is below it; the last Kafka entry when the offset is at or past the end; None when
         the stream has no Kafka entry."""
-        earliest = self.reader.earliest()
-        first = await self.next_batch(earliest, self.last)
+        first = await self.next_batch(self.reader.earliest(), self.last)
         if first is None:
             return None
         if offset < first.end_offset:
             return first.entry_id
-        lo, hi = first.entry_id, self.last + 1  # invariant: batch at lo ends at or below offset
-        last_seen = first
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            b = await self.next_batch(mid, hi - 1)
-            if b is None or b.base_offset > offset:
-                hi = mid
-            elif offset < b.end_offset:
-                return b.entry_id
-            else:
-                lo, last_seen = b.entry_id, b
-        return last_seen.entry_id  # offset at or past the end of the log: keep the last batch
+        found, below = await search_offset(self.next_batch, first.entry_id, self.last + 1, offset)
+        return found.entry_id if found is not None else below  # past the end: keep the last batch
 
 
 def _kafka_partition(name: str) -> tuple[str, int] | None:

@@ -79,6 +79,34 @@ class RawReader(Consumer):
         return await self.read_raw(first, last)
 
 
+async def next_batch(reader: Consumer, first: int, last: int) -> StoredBatch | None:
+    """The first Kafka entry in first..last (skipping no-ops), or None; reads 16 entries at a time."""
+    while first <= last:
+        for e in await reader.read_raw(first, min(last, first + 15)):
+            first = e.entry_id + 1
+            b = decode_entry(e.entry_id, e.data)
+            if b is not None:
+                return b
+    return None
+
+
+async def search_offset(next_batch_in, lo: int, hi: int, offset: int) -> tuple[StoredBatch | None, int]:
+    """Binary search for the batch holding ``offset`` among the entries strictly between ``lo``
+    and ``hi``, where every batch at or below ``lo`` ends at or below ``offset``: (the batch, or
+    None; the entry id of the last batch seen that ends at or below it, else ``lo``).
+    ``next_batch_in(first, last)`` is the first Kafka batch in first..last. O(log n) reads."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        b = await next_batch_in(mid, hi - 1)
+        if b is None or b.base_offset > offset:
+            hi = mid
+        elif offset < b.end_offset:
+            return b, lo
+        else:
+            lo = b.entry_id
+    return None, lo
+
+
 class OffsetIndex:
     """Sorted (entry id, base offset, end offset) points, at most ``max_points`` of them."""
 
@@ -285,14 +313,10 @@ class PartitionLog:
 
     async def _next_batch(self, first: int, last: int) -> StoredBatch | None:
         """The first Kafka entry in first..last (skipping no-ops), or None."""
-        while first <= last:
-            for e in await self.reader.entries(first, min(last, first + 15)):
-                first = e.entry_id + 1
-                b = decode_entry(e.entry_id, e.data)
-                if b is not None:
-                    self.index.add(b)
-                    return b
-        return None
+        b = await next_batch(self.reader, first, last)
+        if b is not None:
+            self.index.add(b)
+        return b
 
     # ---------------------------------------------------------------- appends
     async def append(self, batches: list[Batch]) -> tuple[int, list[asyncio.Future]]:
@@ -427,15 +451,9 @@ class PartitionLog:
             return lo
         lo = self.reader.earliest() - 1 if lo is None else lo
         hi = self.last_acked_entry + 1 if hi is None else hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            b = await self._next_batch(mid, hi - 1)
-            if b is None or b.base_offset > offset:
-                hi = mid
-            elif offset < b.end_offset:
-                return b.entry_id
-            else:
-                lo = b.entry_id
+        found, _below = await search_offset(self._next_batch, lo, hi, offset)
+        if found is not None:
+            return found.entry_id
         raise KafkaStorageError(f"{self.stream}: no entry holds offset {offset} (between entries {lo} and {hi})")
 
     async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:
