@@ -325,6 +325,11 @@ class BookieClient:
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
+                # a bookie that restarts is back within a couple of seconds: do not let gRPC's
+                # default reconnect backoff (up to 120 s) keep failing calls to it fast
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000),
             ],
         )
         self._stub = pb_grpc.BookieStub(self._channel)

@@ -196,8 +196,12 @@ class Ownership:
                 out.append(BrokerInfo.decode(v.value))
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring a malformed broker registration at %s", k)
-        if self.valid and all(b.node_id != self.me.node_id for b in out):
-            out.append(self.me)  # our own registration may not be listed yet (just started or renewed)
+        if all(b.node_id != self.me.node_id for b in out):
+            if self.valid:
+                out.append(self.me)  # our own registration may not be listed yet (just started or renewed)
+            else:
+                log.warning("node %d: not registered (lease not refreshed for %.1f s); not listing itself",
+                            self.node_id, time.monotonic() - self._valid_until + self.ttl_s)
         out.sort()
         self._brokers_cache = (time.monotonic(), out)
         return out

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 from bookie.client import LacWritten
@@ -43,6 +44,9 @@ from terms.writer import LedgerWriter, Phase
 from .errors import StaleTermError, TakeOverFailed, WriterWithdrawn
 
 log = logging.getLogger(__name__)
+
+PLACEMENT_REFRESH_S = 5.0  # how old the writer's view of the live bookies may get
+PLACEMENT_REFRESH_FAILED_S = 0.5  # ... while a failed bookie waits for a replacement
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,11 +337,27 @@ class WriterDriver:
             log.error("stream=%s driver task failed", self.name, exc_info=t.exception())
 
     async def _ticker(self) -> None:
+        placed_at = time.monotonic()
         while True:
             await asyncio.sleep(self.options.tick_s)
             w = self.writer
-            if w is not None and w.engaged:
-                self._feed(w, Tick(self._now()))
+            if w is None or not w.engaged:
+                continue
+            # The writer places replacements and new fragments from the live bookies: refresh that
+            # view now and then, and at once while a failed bookie waits for a replacement (a
+            # bookie that registered after the take-over, or one that came back, can then be used).
+            wait = PLACEMENT_REFRESH_FAILED_S if w.failed else PLACEMENT_REFRESH_S
+            if time.monotonic() - placed_at >= wait:
+                placed_at = time.monotonic()
+                try:
+                    await self.cluster.refresh_bookies(max_age_s=wait / 2)
+                except Exception as exc:  # noqa: BLE001 - the metadata store may be down: keep the old view
+                    log.debug("stream=%s refreshing the live bookies failed: %r", self.name, exc)
+                else:
+                    w.placement.set_bookies([BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
+                if self.writer is not w or not w.engaged:
+                    continue
+            self._feed(w, Tick(self._now()))
 
     @staticmethod
     def _now() -> float:

@@ -64,10 +64,12 @@ class Proc:
     log: Path
     popen: subprocess.Popen | None = None
     extra: dict = field(default_factory=dict)
+    log_offset: int = 0  # where this incarnation's output starts in the (appended) log
 
     def start(self, env: dict | None = None) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log, "ab")
+        self.log_offset = out.tell()
         self.popen = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
         out.close()
@@ -79,6 +81,16 @@ class Proc:
     def signal(self, sig: int) -> None:
         if self.alive:
             os.kill(self.popen.pid, sig)
+
+    def output(self) -> str:
+        """What this incarnation has written to its log so far (a restart appends to the same file,
+        so an earlier run's "ready" line must not count)."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def stop(self, grace_s: float = 10.0) -> None:
         if not self.alive:
@@ -165,7 +177,8 @@ class LocalCluster:
         while time.monotonic() < deadline:
             if not b.alive:
                 raise ClusterError(f"{b.name} exited with {b.popen.returncode}; see {b.log}:\n{_tail(b.log)}")
-            if "bookie ready" in _tail(b.log, 50) and "registered" in _tail(b.log, 50):
+            out = b.output()
+            if "bookie ready" in out and "registered" in out:
                 return
             time.sleep(0.05)
         raise ClusterError(f"{b.name} not ready after {timeout_s}s; see {b.log}:\n{_tail(b.log)}")

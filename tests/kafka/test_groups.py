@@ -217,7 +217,14 @@ def test_committed_offsets_survive_a_shim_restart(kafka_cluster, shim, topic):
         create_topic(a.bootstrap, topic, 2)
         produce(a.bootstrap, topic, 40, 2)
         admin = AdminClient({"bootstrap.servers": a.bootstrap})
-        node_a = next(b.id for b in admin.list_topics(timeout=10).brokers.values() if b.port == a.port)
+        deadline = time.monotonic() + 15
+        while True:  # as a client would, refresh until shim A is listed (its registration is live)
+            brokers = admin.list_topics(timeout=10).brokers
+            node_a = next((b.id for b in brokers.values() if b.port == a.port), None)
+            if node_a is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert node_a is not None, f"shim A (port {a.port}) is not listed: {brokers}"
         # a group that shim A coordinates (with several shims live, groups are spread over them)
         group = next(g for g in (f"g{i}-{topic}" for i in range(64)) if coordinator(admin, g) == node_a)
         c = consumer(a.bootstrap, group)

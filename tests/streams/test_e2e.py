@@ -183,6 +183,39 @@ def test_sigkill_a_bookie_the_writer_changes_ensemble_and_loses_nothing(client, 
           f"{info.fragments[-2].ensemble} -> {info.fragments[-1].ensemble}")
 
 
+def test_a_bookie_that_joins_after_the_take_over_replaces_a_failed_member(client, cluster, stream_name):
+    """An open writer's view of the live bookies is not frozen at its take-over: a bookie that
+    registers later (here: the only spare, restarted) is chosen when a member dies."""
+    client.create_stream(stream_name, ensemble=3, write_quorum=3, ack_quorum=2)
+    ensemble = client.describe_stream(stream_name).fragments[0].ensemble
+    spare = next(i for i in range(len(cluster.bookies)) if f"bookie-{i}" not in ensemble)
+    victim = int(ensemble[1].split("-")[1])
+    cluster.bookies[spare].stop()  # a clean stop deregisters it
+    try:
+        with connect(cluster.metadata_url, add_timeout_s=5.0) as wc, wc.producer(stream_name) as p:
+            p.append_many([b"before-%d" % i for i in range(20)])  # open: the spare is not live now
+            cluster.start_bookie(spare)
+            cluster.kill_bookie(victim)
+            deadline = time.monotonic() + 60
+            i = 0
+            while time.monotonic() < deadline:
+                p.append(b"after-%d" % i)
+                i += 1
+                last = client.describe_stream(stream_name).fragments[-1]
+                if f"bookie-{spare}" in last.ensemble:
+                    break
+                time.sleep(0.05)
+            assert f"bookie-{spare}" in last.ensemble and f"bookie-{victim}" not in last.ensemble, last
+            p.append_many([b"more-%d" % j for j in range(20)])
+        values = [r.value for r in read_all(client, stream_name)]
+        assert values == [b"before-%d" % j for j in range(20)] + [b"after-%d" % j for j in range(i)] + \
+            [b"more-%d" % j for j in range(20)]
+    finally:
+        for b in (spare, victim):
+            if not cluster.bookies[b].alive:
+                cluster.start_bookie(b)
+
+
 def test_stopped_producer_is_fenced_by_a_take_over_from_another_process(client, cluster, stream_name, tmp_path):
     client.create_stream(stream_name)
     script = tmp_path / "zombie.py"
