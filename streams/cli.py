@@ -7,7 +7,12 @@ Every command that talks to a cluster takes ``--metadata URL`` (or ``SCROLL_META
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import asdict
 
 import click
@@ -31,6 +36,30 @@ def main() -> None:
       scroll consume orders --from earliest
       scroll fragments orders
     """
+    _exit_with_parent()
+
+
+PARENT_PID_ENV = "SCROLL_PARENT_PID"
+
+
+def _exit_with_parent() -> None:
+    """A server started by ``scroll standalone`` or ``LocalCluster`` (which set ``SCROLL_PARENT_PID``)
+    stops when that parent is gone, even if it was SIGKILLed: it notices it was re-parented and
+    SIGTERMs itself, which runs its clean shutdown. Nothing is left holding ports and data."""
+    raw = os.environ.pop(PARENT_PID_ENV, None)  # not for our own children
+    if not raw or not raw.isdigit():
+        return
+    parent = int(raw)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        logging.getLogger("scroll").warning("parent process %d is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        os._exit(1)  # the clean shutdown did not finish
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _client(metadata: str):

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,11 +68,21 @@ class Proc:
     log_offset: int = 0  # where this incarnation's output starts in the (appended) log
 
     def start(self, env: dict | None = None) -> None:
+        """Start it in a session of its own (a terminal's Ctrl-C reaches only our process, which
+        stops the children in order), but tied to us: it stops if we die, even by SIGKILL. Our
+        Python servers watch ``SCROLL_PARENT_PID``; other programs (etcd) get a parent-death signal
+        through ``setpriv`` when we fork from the main thread (the signal follows the forking
+        thread, and a worker thread may end before we do)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if env is None else env)
+        env["SCROLL_PARENT_PID"] = str(os.getpid())
+        args = list(self.args)
+        setpriv = shutil.which("setpriv")
+        if setpriv and threading.current_thread() is threading.main_thread() and "streams.cli" not in args:
+            args = [setpriv, "--pdeathsig", "TERM", "--", *args]
         out = open(self.log, "ab")
         self.log_offset = out.tell()
-        self.popen = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True)
+        self.popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         out.close()
 
     @property

@@ -92,6 +92,23 @@ class Run:
         self.out.close()
 
 
+def _left_behind(data: Path, ports: dict[str, int]) -> list[str]:
+    """Command lines of live processes that belong to this run (its data dir or its Kafka port)."""
+    marks = (str(data), f"--port {ports['kafka']}")
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(m in cmd for m in marks) and "pytest" not in cmd:
+            out.append(cmd)
+    return out
+
+
 def kcat(port: int, *args, input: str | None = None) -> str:
     return subprocess.run(["kcat", "-b", f"127.0.0.1:{port}", *args], input=input, capture_output=True, text=True,
                           timeout=60, check=True).stdout
@@ -152,6 +169,14 @@ def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
         assert got.strip() == "100"
         kcat(ports["kafka"], "-t", "greetings", "-P", input="after restart\n")
         assert kcat(ports["kafka"], "-t", "greetings", "-C", "-e", "-o", "3").splitlines() == ["after restart"]
-        assert "stopped; data kept in" in run.ctrl_c()
+        # kill -9 of `make run` and scroll standalone (a closed terminal, an OOM kill): the children
+        # it started notice that their parent is gone and stop; nothing keeps the ports
+        run.kill()
+        deadline = time.monotonic() + 45
+        while _left_behind(data, ports) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _left_behind(data, ports), "still running after kill -9 of scroll standalone"
+        for p in (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"]):
+            assert not _listening(p), f"something still listens on port {p}"
     finally:
         run.kill()
