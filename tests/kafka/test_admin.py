@@ -5,10 +5,9 @@ committed offsets put on a partition's stream."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
-
-confluent_kafka = pytest.importorskip("confluent_kafka")
 from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition  # noqa: E402
 from confluent_kafka.admin import (  # noqa: E402
     AdminClient,
@@ -176,7 +175,11 @@ def test_retention_floor_is_the_entry_of_the_lowest_committed_offset(admin, shim
     assert floor(kafka_cluster, stream) is None  # no Kafka batch yet
     for i in range(6):  # one batch (one entry) per flush: offsets 0..5, one each
         produce(shim.bootstrap, topic, 1, 1, prefix=f"b{i}-")
-    _, batches = stream_info(kafka_cluster, stream)
+    # a reader sees an acknowledged entry once its LAC reached the bookies (piggybacked on the next
+    # add, or an idle LAC push a few ms later): wait for the last batch to become visible
+    deadline = time.monotonic() + 15
+    while len(batches := stream_info(kafka_cluster, stream)[1]) < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert [(b, e) for _, b, e in batches] == [(i, i + 1) for i in range(6)]
     entry = {base: eid for eid, base, _ in batches}
     assert floor(kafka_cluster, stream) == entry[5]  # no group yet: the last batch still stays

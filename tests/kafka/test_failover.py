@@ -13,6 +13,8 @@ import sys
 import time
 
 import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 from kio.schema.errors import ErrorCode
 from kio.schema.produce.v9 import ProduceRequest
 from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
@@ -24,10 +26,6 @@ from compat_kafka.partition import PartitionConfig, PartitionLog
 from streams.client import connect
 from streams.localcluster import LocalCluster, free_port
 from tests.kafka.shimproc import RawConnection, ShimProcess, record_batch
-
-confluent_kafka = pytest.importorskip("confluent_kafka")
-from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
-from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
 pytestmark = pytest.mark.process
 

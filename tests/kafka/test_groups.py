@@ -14,8 +14,6 @@ import textwrap
 import time
 
 import pytest
-
-confluent_kafka = pytest.importorskip("confluent_kafka")
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 from kio.schema.errors import ErrorCode  # noqa: E402

@@ -9,6 +9,8 @@ import datetime
 import time
 
 import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 from kio.schema.errors import ErrorCode
 from kio.schema.init_producer_id.v4 import InitProducerIdRequest
 from kio.schema.list_offsets.v7 import ListOffsetsRequest
@@ -18,10 +20,6 @@ from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
 
 from streams.localcluster import LocalCluster
 from tests.kafka.shimproc import RawConnection, ShimProcess, record_batch
-
-confluent_kafka = pytest.importorskip("confluent_kafka")
-from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
-from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
 pytestmark = pytest.mark.process
 

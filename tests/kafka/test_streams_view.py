@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-confluent_kafka = pytest.importorskip("confluent_kafka")
 from confluent_kafka import Producer  # noqa: E402
 
 from streams.client import connect  # noqa: E402

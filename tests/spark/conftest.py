@@ -13,8 +13,6 @@ import sys
 
 import pytest
 
-pyspark = pytest.importorskip("pyspark")
-
 from streams.localcluster import LocalCluster  # noqa: E402
 
 
