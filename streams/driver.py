@@ -74,6 +74,8 @@ class WriterDriver:
         self._tasks: set[asyncio.Task] = set()
         self.failure: Exception | None = None
         self.ledger_id: int | None = None
+        self._queued_adds: dict[tuple[int, str], tuple[LedgerWriter, list[SendAdd]]] = {}
+        self._adds_flush_scheduled = False
 
     # ---------------------------------------------------------------- life cycle
     async def open(self) -> None:
@@ -219,7 +221,27 @@ class WriterDriver:
             elif isinstance(c, Closed):
                 self._settle(self._closed, True)
         for bookie, sends in adds.items():
-            self._submit(self.writer, bookie, sends)
+            self._queue_adds(self.writer, bookie, sends)
+
+    def _queue_adds(self, w: LedgerWriter, bookie: str, sends: list[SendAdd]) -> None:
+        """Adds go out once per event-loop turn, per bookie: a producer appending in a loop (or a
+        batch of answers releasing a window) costs one submission per bookie, not one per entry.
+        Order per bookie is kept: every add to a bookie passes through here."""
+        key = (id(w), bookie)
+        queued = self._queued_adds.get(key)
+        if queued is None:
+            self._queued_adds[key] = (w, list(sends))
+        else:
+            queued[1].extend(sends)
+        if not self._adds_flush_scheduled:
+            self._adds_flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_adds)
+
+    def _flush_adds(self) -> None:
+        self._adds_flush_scheduled = False
+        queued, self._queued_adds = self._queued_adds, {}
+        for (_, bookie), (w, sends) in queued.items():
+            self._submit(w, bookie, sends)
 
     def _submit(self, w: LedgerWriter, bookie: str, sends: list[SendAdd]) -> None:
         client = self.cluster.client(bookie)
