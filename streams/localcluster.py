@@ -66,6 +66,7 @@ class Proc:
     popen: subprocess.Popen | None = None
     extra: dict = field(default_factory=dict)
     log_offset: int = 0  # where this incarnation's output starts in the (appended) log
+    parent_death_signal: bool = False  # not one of our Python servers (they watch SCROLL_PARENT_PID)
 
     def start(self, env: dict | None = None) -> None:
         """Start it in a session of its own (a terminal's Ctrl-C reaches only our process, which
@@ -78,7 +79,7 @@ class Proc:
         env["SCROLL_PARENT_PID"] = str(os.getpid())
         args = list(self.args)
         setpriv = shutil.which("setpriv")
-        if setpriv and threading.current_thread() is threading.main_thread() and "streams.cli" not in args:
+        if self.parent_death_signal and setpriv and threading.current_thread() is threading.main_thread():
             args = [setpriv, "--pdeathsig", "TERM", "--", *args]
         out = open(self.log, "ab")
         self.log_offset = out.tell()
@@ -160,7 +161,7 @@ class LocalCluster:
                 "--listen-client-urls", url, "--advertise-client-urls", url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"scroll={peer}", "--log-level", "warn"]
-        self.etcd = Proc("etcd", args, self.etcd_port, d / "etcd.log")
+        self.etcd = Proc("etcd", args, self.etcd_port, d / "etcd.log", parent_death_signal=True)
         self.etcd.start()
         _wait_port(self.etcd_port, self.etcd.popen, "etcd", timeout_s, self.etcd.log)
 
