@@ -76,6 +76,7 @@ class WriterDriver:
         self.ledger_id: int | None = None
         self._queued_adds: dict[tuple[int, str], tuple[LedgerWriter, list[SendAdd]]] = {}
         self._adds_flush_scheduled = False
+        self._absent_once: set[str] = set()  # bookies missing from the last registry listing
 
     # ---------------------------------------------------------------- life cycle
     async def open(self) -> None:
@@ -376,10 +377,21 @@ class WriterDriver:
                 except Exception as exc:  # noqa: BLE001 - the metadata store may be down: keep the old view
                     log.debug("stream=%s refreshing the live bookies failed: %r", self.name, exc)
                 else:
-                    w.placement.set_bookies([BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
+                    self._update_placement(w)
                 if self.writer is not w or not w.engaged:
                     continue
             self._feed(w, Tick(self._now()))
+
+    def _update_placement(self, w: LedgerWriter) -> None:
+        """The registry's live bookies become the writer's view; one that is missing from a single
+        listing (a lease being renewed) stays until it is missing twice in a row."""
+        view = {b.bookie_id: BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()}
+        for bid, info in w.placement.bookies.items():
+            if bid not in view and bid not in self._absent_once:
+                view[bid] = info
+                self._absent_once.add(bid)
+        self._absent_once &= set(w.placement.bookies) - {b.bookie_id for b in self.cluster.live()}
+        w.placement.set_bookies(list(view.values()))
 
     @staticmethod
     def _now() -> float:
