@@ -11,6 +11,14 @@ generation's tombstones to the index before its entries, which gives the same re
 the operations happened in (every entry added after a generation's first truncate of a ledger is
 in that generation). Entries are plain tuples (entry_term, digest_type, digest, data).
 
+A disk read runs in a thread while the event loop goes on, so the write cache it is checked against
+afterwards may have changed meanwhile; the dangerous change is a completed flush, which removes the
+generation that held a newer copy or a tombstone while the index the read scanned still named the
+older copy. So a read *pins* the flush count before its disk part starts (``pin``), and a flushed
+generation is kept as *retired* while any read that began before its flush is still in flight;
+``lookup_since`` consults active -> flushing -> retired (newest first) and so gives the same answer
+the write cache would have given at any instant of the read.
+
 The read cache holds entries read from entry logs, bounded by bytes, least recently used first out;
 truncates, trims and overwriting adds drop the affected ids synchronously (ids are reused after a
 truncate, and an idempotent re-add may carry a new term).
@@ -86,6 +94,9 @@ class WriteCache:
     def __init__(self) -> None:
         self.active = WriteGen()
         self.flushing: WriteGen | None = None
+        self.flushes = 0  # completed flushes
+        self._retired: collections.deque[tuple[int, WriteGen]] = collections.deque()  # (flush no., gen), oldest first
+        self._pins: collections.Counter[int] = collections.Counter()  # flush count at a read's start -> reads
 
     @property
     def bytes(self) -> int:
@@ -97,13 +108,53 @@ class WriteCache:
             found = self.flushing.lookup(ledger_id, entry_id)
         return found
 
+    def lookup_since(self, ledger_id: int, entry_id: int, mark: int) -> object:
+        """``lookup`` for a read that pinned ``mark``: also asks the generations flushed since,
+        newest first (the index the read scanned may predate their flush)."""
+        found = self.lookup(ledger_id, entry_id)
+        if found is None and self._retired:
+            for number, gen in reversed(self._retired):
+                if number <= mark:
+                    break
+                found = gen.lookup(ledger_id, entry_id)
+                if found is not None:
+                    break
+        return found
+
+    def pin(self) -> int:
+        """A disk read starts: keep every generation flushed from now on until ``unpin``."""
+        mark = self.flushes
+        self._pins[mark] += 1
+        return mark
+
+    def unpin(self, mark: int) -> None:
+        left = self._pins[mark] - 1
+        if left:
+            self._pins[mark] = left
+        else:
+            del self._pins[mark]
+        self._prune()
+
+    def _prune(self) -> None:
+        oldest = min(self._pins) if self._pins else self.flushes
+        retired = self._retired
+        while retired and retired[0][0] <= oldest:
+            retired.popleft()
+
+    @property
+    def retired_count(self) -> int:
+        return len(self._retired)
+
     def swap(self) -> WriteGen:
         assert self.flushing is None, "one flush at a time"
         self.flushing, self.active = self.active, WriteGen()
         return self.flushing
 
     def flushed(self) -> None:
-        self.flushing = None
+        gen, self.flushing = self.flushing, None
+        self.flushes += 1
+        if self._pins and gen is not None:
+            self._retired.append((self.flushes, gen))
 
 
 class ReadCache:
@@ -144,6 +195,11 @@ class ReadCache:
             ids.discard(key[1])
             if not ids:
                 del self.ids_by_ledger[key[0]]
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self.ids_by_ledger.clear()
+        self.bytes = 0
 
     def drop(self, ledger_id: int, first: int, last: int | None = None) -> None:
         """Forget the ledger's ids in [first, last] (last None: to the end)."""

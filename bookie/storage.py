@@ -18,7 +18,8 @@ run of similar adds instead of one per add. A truncating add always calls ``deci
 
 Writes: journal -> write cache (``cache.py``) -> background flush (``flush.py``) -> entry logs +
 RocksDB index, with a checkpoint mark (the journal seq covered). Reads: write cache -> read cache ->
-index -> entry log. Restart: load states and the mark from the index, replay the journal after the
+index -> entry log; a disk part runs in a read thread and is checked on return against the write
+cache including the generations flushed while it ran (``range_steps``; ``cache.py`` explains why). Restart: load states and the mark from the index, replay the journal after the
 mark (re-deciding each add, so the result is the same as before the crash). A full disk (ENOSPC,
 EIO on a write, or free space under ``min_free_bytes``) makes the engine read-only; ``check_disk``
 lifts it once space is back and the journal writes again.
@@ -165,7 +166,6 @@ class Engine:
         self._space: asyncio.Event | None = None
         self._flush_lock: asyncio.Lock | None = None
         self._retry_job: FlushJob | None = None
-        self._flushes = 0  # completed flushes (a read that spans one does not fill the read cache)
         self.metrics.write_cache_bytes.set_function(lambda: self.write_cache.bytes)
 
     # ================================================================ life cycle
@@ -511,32 +511,59 @@ class Engine:
 
     def read_range(self, ledger_id: int, first: int, last: int, max_entries: int = 0, max_bytes: int = 0) -> ReadResult:
         """Synchronous range read (tests, tools): memory, then disk, in order."""
-        plan = self._read_plan(ledger_id, first, last, max_entries, max_bytes)
-        while not plan.done:
-            self._read_memory(ledger_id, plan)
-            if plan.done:
-                break
-            found, stop = self.read_disk(ledger_id, plan.next, plan.room(), plan.bytes_left)
-            self._take_disk(ledger_id, plan, found, stop, fill_cache=True)
-        return self._read_result(ledger_id, plan)
+        steps = self.range_steps(ledger_id, first, last, max_entries, max_bytes)
+        try:
+            args = next(steps)
+            while True:
+                try:
+                    found = self.read_disk(*args)
+                except BaseException as exc:
+                    steps.throw(exc)  # unpins, then raises exc again
+                    raise
+                args = steps.send(found)
+        except StopIteration as done:
+            return done.value
 
     async def aread_range(self, ledger_id: int, first: int, last: int, max_entries: int = 0, max_bytes: int = 0) -> ReadResult:
-        """The same, with disk reads in a thread; the read cache is filled only when no truncate
-        or trim of the ledger (its epoch) and no flush ran meanwhile."""
-        plan = self._read_plan(ledger_id, first, last, max_entries, max_bytes)
+        """The same, with the disk parts in the read threads."""
+        steps = self.range_steps(ledger_id, first, last, max_entries, max_bytes)
         loop = asyncio.get_running_loop()
+        try:
+            args = next(steps)
+            while True:
+                try:
+                    found = await loop.run_in_executor(self._read_pool, self.read_disk, *args)
+                except BaseException as exc:  # cancelled, or the disk failed: unpin on the way out
+                    steps.throw(exc)
+                    raise
+                args = steps.send(found)
+        except StopIteration as done:
+            return done.value
+
+    def range_steps(self, ledger_id: int, first: int, last: int, max_entries: int = 0, max_bytes: int = 0):
+        """A range read as a generator: it yields the arguments of each disk part (``read_disk``),
+        is sent that part's result, and returns the ReadResult. Whoever drives it may let the
+        event loop run (adds, truncates, flushes) while a disk part is out.
+
+        A disk part is checked against the write cache as it is when the result comes back, with
+        the write cache pinned (``WriteCache.pin``) from before the disk part started: a newer
+        copy or a tombstone in a generation flushed meanwhile still wins over the older copy the
+        index named when it was scanned. The read cache is filled only from disk copies no
+        generation knows of, and only when no truncate or trim of the ledger (its epoch) ran."""
+        plan = self._read_plan(ledger_id, first, last, max_entries, max_bytes)
+        wc = self.write_cache
         while not plan.done:
             self._read_memory(ledger_id, plan)
             if plan.done:
                 break
-            before = (self._epoch.get(ledger_id, 0), self._flushes)
-            found, stop = await loop.run_in_executor(
-                self._read_pool, self.read_disk, ledger_id, plan.next, plan.room(), plan.bytes_left
-            )
-            # an overwrite flushed meanwhile would leave no trace in the write cache: then the
-            # disk copies are answered but not cached
-            unchanged = before == (self._epoch.get(ledger_id, 0), self._flushes)
-            self._take_disk(ledger_id, plan, found, stop, fill_cache=unchanged)
+            epoch = self._epoch.get(ledger_id, 0)
+            mark = wc.pin()
+            try:
+                found, stop = yield (ledger_id, plan.next, plan.room(), plan.bytes_left)
+                fill = epoch == self._epoch.get(ledger_id, 0)
+                self._take_disk(ledger_id, plan, found, stop, mark, fill)
+            finally:
+                wc.unpin(mark)
         return self._read_result(ledger_id, plan)
 
     def read_entry(self, ledger_id: int, entry_id: int) -> entrylog.StoredEntry | None:
@@ -664,10 +691,11 @@ class Engine:
                 return out, True
         return out, False
 
-    def _take_disk(self, ledger_id: int, plan: _ReadPlan, found: list, stop: Status, fill_cache: bool) -> None:
+    def _take_disk(self, ledger_id: int, plan: _ReadPlan, found: list, stop: Status, mark: int, fill_cache: bool) -> None:
         wc, rc = self.write_cache, self.read_cache
         for eid, entry in found:
-            newer = wc.lookup(ledger_id, eid)  # a newer copy or a deletion may have arrived meanwhile
+            # a newer copy or a deletion may have arrived, or been flushed, since the index was read
+            newer = wc.lookup_since(ledger_id, eid, mark)
             if newer is DELETED:
                 plan.stop = Status.NO_SUCH_ENTRY
                 return
@@ -763,7 +791,6 @@ class Engine:
         self.flusher.run(job)
         self._retry_job = None
         self.write_cache.flushed()
-        self._flushes += 1
         self.metrics.flushes.inc()
 
     def checkpoint(self) -> None:
@@ -899,7 +926,6 @@ class Engine:
                 return
             self._retry_job = None
             self.write_cache.flushed()
-            self._flushes += 1
             self._space.set()
             self.metrics.flushes.inc()
             freed = await loop.run_in_executor(self._disk_pool, self.journal.delete_covered, job.seq)

@@ -8,6 +8,12 @@ leaving a torn prefix of the next record on disk) and reopens it: the engine mus
 durable copy. After every step every (ledger, entry) of a small id space must read back exactly as
 the model says, with the right entry_term, and the ledger states must match.
 
+``read_across_flushes`` interleaves a range read with other work: it drives the engine's read
+(``Engine.range_steps``) up to the moment its first disk part has read the index and the entry
+logs, then runs flushes, checkpoints and adds (truncating ones too) before handing the disk result
+back, as the event loop does while a read thread works. Every entry answered must be a copy that
+id held at some moment of the read; with no adds in between the answer must be exactly the model's.
+
 Small files (16 KiB entry logs, 64 KiB journal files, a 32 KiB write cache) make rotation, flush
 during replay, and compaction happen within a few steps.
 """
@@ -110,6 +116,23 @@ class EngineMachine(RuleBasedStateMachine):
         for r in reqs:
             self._apply_add(r)
 
+    @rule(
+        ledger=st.sampled_from(LEDGERS), start=st.sampled_from(IDS), count=st.integers(1, 8),
+        take_over=st.booleans(), data=payloads,
+    )
+    def append_run(self, ledger: int, start: int, count: int, take_over: bool, data: bytes) -> None:
+        """What a writer sends: consecutive ids in the ledger's term; a take-over uses the next
+        term (at most 4, the terms the other rules use) and starts with a truncating no-op."""
+        st_ = self.states.get(ledger)
+        term = st_.term if st_ is not None else 0
+        if take_over:
+            term = min(term + 1, 4)
+        ids = [i for i in range(start, start + count) if i in IDS]
+        reqs = [AddRequest(ledger, i, term, start - 1, start - 1, data + b"%d" % i, take_over and i == start, False)
+                for i in ids]
+        for at in range(0, len(reqs), 4):  # within max_batch_bytes
+            self.add(reqs[at : at + 4])
+
     @rule(ledger=st.sampled_from(LEDGERS), term=st.integers(0, 4))
     def fence(self, ledger: int, term: int) -> None:
         self.engine.fence(ledger, term)
@@ -144,21 +167,81 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.journal.sync()
         self._mark_durable()
 
-    @rule()
-    def flush(self) -> None:
-        self.engine.flush()
-        self._mark_durable()
+    @rule(cold=st.booleans())
+    def flush(self, cold: bool) -> None:
+        # every flush runs while a range read per ledger has its disk part out (see the module doc)
+        self._reads_across(["flush"], None, cold)
 
-    @rule()
-    def checkpoint(self) -> None:
-        self.engine.checkpoint()
-        self._mark_durable()
+    @rule(cold=st.booleans())
+    def checkpoint(self, cold: bool) -> None:
+        self._reads_across(["checkpoint"], None, cold)
 
     @rule()
     def gc(self) -> None:
         self.engine.flush()  # GC sees what the index holds
         self._mark_durable()
         self.engine.gc()
+
+    @rule(
+        first=st.one_of(st.none(), st.sampled_from(IDS)),  # None: from every id
+        between=st.lists(
+            st.one_of(st.just("flush"), st.just("checkpoint"), st.lists(add_requests, min_size=1, max_size=4)),
+            min_size=1, max_size=4,
+        ),
+        cold=st.booleans(),
+    )
+    def read_across_flushes(self, first: int | None, between: list, cold: bool) -> None:
+        self._reads_across(between, first, cold)
+
+    def _reads_across(self, between: list, first: int | None, cold: bool) -> None:
+        """Range reads of every ledger from ``first`` (None: one from every id), each with its first
+        disk part done (index scanned, entry logs read) while ``between`` runs: flushes,
+        checkpoints, add batches. Then the reads complete and are checked."""
+        if cold:  # as after evictions: the reads go to disk for what the write cache does not hold
+            self.engine.read_cache.clear()
+        ledgers = [lid for lid in LEDGERS if lid in self.states]
+        held = {(lid, eid): {self.entries.get((lid, eid))} for lid in ledgers for eid in IDS}
+        reads: dict[tuple[int, int], tuple] = {}  # (ledger, start) -> (steps, disk result) or (None, ReadResult)
+        for lid in ledgers:
+            for start in IDS if first is None else [first]:
+                steps = self.engine.range_steps(lid, start, IDS[-1])
+                try:
+                    args = next(steps)
+                except StopIteration as done:  # served from memory
+                    reads[(lid, start)] = (None, done.value)
+                    continue
+                reads[(lid, start)] = (steps, self.engine.read_disk(*args))
+        for op in between:  # the event loop goes on while the read threads work
+            if op == "flush":
+                self.engine.flush()
+                self._mark_durable()
+            elif op == "checkpoint":
+                self.engine.checkpoint()
+                self._mark_durable()
+            else:
+                self.add(op)
+            for key in held:
+                held[key].add(self.entries.get(key))
+        for (lid, start), (steps, found) in reads.items():
+            res = found
+            if steps is not None:
+                try:
+                    while True:
+                        found = self.engine.read_disk(*steps.send(found))
+                except StopIteration as done:
+                    res = done.value
+            got = [(eid, (entry[0], entry[3])) for eid, entry in res.entries]
+            assert [eid for eid, _v in got] == list(range(start, start + len(got))), "a range read is one run"
+            for eid, value in got:
+                assert value in held[(lid, eid)], f"ledger {lid} entry {eid}: {value!r} was never its copy during the read"
+            if not any(isinstance(op, list) for op in between):
+                want = []
+                for eid in range(start, IDS[-1] + 1):
+                    if (lid, eid) not in self.entries:
+                        break
+                    want.append((eid, self.entries[(lid, eid)]))
+                assert got == want, f"ledger {lid}: the read answered {got!r}"
+        assert self.engine.write_cache.retired_count == 0, "with no read in flight no flushed generation is kept"
 
     @rule(torn=st.sampled_from([0, 0, 5, 40, 400]))
     def crash_and_reopen(self, torn: int) -> None:
@@ -196,7 +279,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=400 if os.environ.get("SCROLL_SOAK") else 40,
+    max_examples=int(os.environ.get("SCROLL_SM_EXAMPLES", 400 if os.environ.get("SCROLL_SOAK") else 100)),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
