@@ -15,7 +15,15 @@ flush (measured 1.5-3x the fsync rate of a growing file). Once a checkpoint cove
 file, the file is deleted, except that one covered file is *recycled* as the next spare (its blocks
 are allocated and written already); only when none is available does a background thread fill a
 new spare with zeros. Stale records in a recycled file are harmless: their seqs are at or below the
-checkpoint, and replay skips those. A record never spans files. On a write error the records stay queued, the journal rotates to a fresh file (the failed
+checkpoint, and replay skips those. A record never spans files.
+
+A file gets its name only when it is complete: the new header (and a zeroed first frame slot) is
+written and synced while the file still has its spare's temporary name, then it is renamed into
+place and the directory synced. So a ``journal-<id>.jnl`` always carries its own header, and
+``delete_covered`` (which decides that a file is covered by the *next* file's first seq) can never
+read a recycled file's stale header. Every spare has a name of its own (``journal-spare-<n>.tmp``):
+a covered file recycled while the writer is still renaming the spare it took never lands on that
+name. A header whose file id is not its name's is treated as no header. On a write error the records stay queued, the journal rotates to a fresh file (the failed
 tail may be garbage) and retries later; waiters get a ``StorageError``.
 
 Replay reads the files in id order and stops reading a file at the first frame whose length or CRC
@@ -28,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import itertools
 import logging
 import mmap
 import os
@@ -52,7 +61,7 @@ FILE_HEADER = struct.Struct("<8sQQ")  # magic, file id, first seq
 MAGIC = b"SCRLJNL1"
 HEADER_BYTES = 64
 FILE_RE = re.compile(r"^journal-(\d{12})\.jnl$")
-SPARE_NAME = "journal-spare.tmp"
+SPARE_RE = re.compile(r"^journal-(spare-\d+|new-\d+)\.tmp$")
 ZERO_CHUNK = b"\0" * (1 << 20)
 IOV_MAX = 1024
 
@@ -87,8 +96,9 @@ def file_name(file_id: int) -> str:
     return f"journal-{file_id:012d}.jnl"
 
 
-def read_header(path: Path) -> tuple[int, int] | None:
-    """(file id, first seq) from a journal file's header, or None when it is not one of ours."""
+def read_header(path: Path, file_id: int | None = None) -> tuple[int, int] | None:
+    """(file id, first seq) from a journal file's header, or None when it is not one of ours (or,
+    given ``file_id``, not that file's: a header must name the file it is in)."""
     try:
         with open(path, "rb") as fh:
             raw = fh.read(FILE_HEADER.size)
@@ -96,8 +106,10 @@ def read_header(path: Path) -> tuple[int, int] | None:
         return None
     if len(raw) < FILE_HEADER.size:
         return None
-    magic, file_id, first_seq = FILE_HEADER.unpack(raw)
-    return (file_id, first_seq) if magic == MAGIC else None
+    magic, header_id, first_seq = FILE_HEADER.unpack(raw)
+    if magic != MAGIC or (file_id is not None and header_id != file_id):
+        return None
+    return header_id, first_seq
 
 
 def scan_file(path: Path, max_record_bytes: int) -> Iterator[Record]:
@@ -128,8 +140,8 @@ def scan_file(path: Path, max_record_bytes: int) -> Iterator[Record]:
 def replay(directory: Path, after_seq: int, max_record_bytes: int) -> Iterator[Record]:
     """Every valid record with seq > after_seq, in seq order, each seq once."""
     last = after_seq
-    for _file_id, path in journal_files(directory):
-        if read_header(path) is None:
+    for file_id, path in journal_files(directory):
+        if read_header(path, file_id) is None:
             log.warning("journal %s: bad header, skipped", path.name)
             continue
         for rec in scan_file(path, max_record_bytes):
@@ -166,8 +178,9 @@ class Journal:
         self._fd = -1
         self._file_id = 0
         self._offset = 0
-        self._spare: concurrent.futures.Future | None = None
+        self._spare: concurrent.futures.Future | None = None  # resolves to the spare's path
         self._spare_lock = threading.Lock()  # the writer takes spares, the checkpoint recycles
+        self._tmp_names = itertools.count(1)
         self._spare_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # --- opening -----------------------------------------------------------------------------
@@ -175,7 +188,7 @@ class Journal:
     def open(self, last_seq: int) -> None:
         """Start writing after ``last_seq`` in a fresh file (never append after a torn tail)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        (self.directory / SPARE_NAME).unlink(missing_ok=True)
+        self._remove_spares()
         files = journal_files(self.directory)
         self._file_id = files[-1][0] if files else 0
         self.next_seq = last_seq + 1
@@ -184,6 +197,24 @@ class Journal:
 
     def replay(self, after_seq: int) -> Iterator[Record]:
         return replay(self.directory, after_seq, self.max_record_bytes)
+
+    def sync_existing(self) -> int:
+        """fdatasync every journal file and the directory; returns the files synced.
+
+        A replay may have read records that the previous incarnation wrote but never synced (it
+        was killed between the write and the fdatasync: the page cache still had them). Answers
+        after the restart build on them, so they must be durable before the first answer: a power
+        cut now must not lose records that later, synced records depend on."""
+        count = 0
+        for _file_id, path in journal_files(self.directory):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            count += 1
+        _fsync_dir(self.directory)
+        return count
 
     # --- appending (owner thread) ----------------------------------------------------------
 
@@ -275,27 +306,33 @@ class Journal:
         self._start_file(first_seq)
 
     def _start_file(self, first_seq: int) -> None:
-        self._file_id += 1
-        path = self.directory / file_name(self._file_id)
+        """Make the next file: a spare (or a new file) gets the header, is synced, and only then
+        takes its name (see the module doc: a named file always carries its own header)."""
+        file_id = self._file_id + 1
+        path = self.directory / file_name(file_id)
         spare = self._take_spare()
-        if spare is not None:
-            os.rename(spare, path)
-            fd = os.open(path, os.O_RDWR)
+        fresh = spare is None
+        if fresh:
+            spare = self.directory / f"journal-new-{next(self._tmp_names)}.tmp"
+            fd = os.open(spare, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
+            fd = os.open(spare, os.O_RDWR)
+        try:
+            if fresh:
                 _preallocate(fd, self.file_bytes, self.preallocate)
-            except OSError:
-                os.close(fd)
-                path.unlink(missing_ok=True)
-                raise
-        header = FILE_HEADER.pack(MAGIC, self._file_id, first_seq).ljust(HEADER_BYTES, b"\0")
-        # a recycled file still holds old records after the header: zero the first frame slot so
-        # a replay of this file never starts on one (later stale frames have seqs below the
-        # checkpoint, so replay skips them anyway)
-        os.pwrite(fd, header + bytes(FRAME.size), 0)
-        os.fdatasync(fd)
+            header = FILE_HEADER.pack(MAGIC, file_id, first_seq).ljust(HEADER_BYTES, b"\0")
+            # a recycled file still holds old records after the header: zero the first frame slot
+            # so a replay of this file never starts on one (later stale frames have seqs below
+            # the checkpoint, so replay skips them anyway)
+            os.pwrite(fd, header + bytes(FRAME.size), 0)
+            os.fdatasync(fd)
+            os.rename(spare, path)
+        except OSError:
+            os.close(fd)
+            spare.unlink(missing_ok=True)
+            raise
         _fsync_dir(self.directory)  # the new name must survive a crash too
+        self._file_id = file_id
         self._fd, self._offset = fd, HEADER_BYTES
 
     def _abandon_file(self) -> None:
@@ -311,13 +348,16 @@ class Journal:
 
     # --- spare files (a background thread fills the next file with zeros) -------------------
 
+    def _spare_path(self) -> Path:
+        return self.directory / f"journal-spare-{next(self._tmp_names)}.tmp"
+
     def _prepare_spare(self) -> None:
         with self._spare_lock:
             if self.preallocate == "none" or self._spare is not None:
                 return
             if self._spare_pool is None:
                 self._spare_pool = named_pool(1, "journal-spare")
-            self._spare = self._spare_pool.submit(_make_spare, self.directory / SPARE_NAME, self.file_bytes, self.preallocate)
+            self._spare = self._spare_pool.submit(_make_spare, self._spare_path(), self.file_bytes, self.preallocate)
 
     def _recycle(self, path: Path) -> bool:
         """Make a fully covered file the next spare: it is allocated and written already, so it
@@ -325,9 +365,10 @@ class Journal:
         with self._spare_lock:
             if self.preallocate == "none" or self._spare is not None or path.stat().st_size != self.file_bytes:
                 return False
-            os.rename(path, self.directory / SPARE_NAME)
+            spare = self._spare_path()  # a name of its own: never the one the writer is renaming
+            os.rename(path, spare)
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(self.directory / SPARE_NAME)
+            done.set_result(spare)
             self._spare = done
             return True
 
@@ -342,16 +383,21 @@ class Journal:
             log.warning("journal: preparing a spare file failed: %s", exc)
             return None
 
+    def _remove_spares(self) -> None:
+        for path in self.directory.iterdir():
+            if SPARE_RE.match(path.name):
+                path.unlink(missing_ok=True)
+
     # --- checkpoints and shutdown ----------------------------------------------------------
 
     def delete_covered(self, checkpoint_seq: int) -> int:
         """Delete files whose every record has seq <= checkpoint_seq. Returns bytes freed."""
         files = journal_files(self.directory)
         freed = 0
-        for (file_id, path), (_next_id, next_path) in zip(files, files[1:]):
-            if file_id == self._file_id:
+        for (file_id, path), (next_id, next_path) in zip(files, files[1:]):
+            if file_id >= self._file_id:
                 break
-            header = read_header(next_path)
+            header = read_header(next_path, next_id)
             if header is None or header[1] > checkpoint_seq + 1:
                 break
             try:
@@ -394,7 +440,7 @@ class Journal:
             self._spare_pool.shutdown(wait=True)
             self._spare_pool = None
         self._spare = None
-        (self.directory / SPARE_NAME).unlink(missing_ok=True)
+        self._remove_spares()
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for _i, p in journal_files(self.directory))
