@@ -105,10 +105,13 @@ async def ledger_writer(c: BookieClient, lid: int, term: int, h: History, rng: r
         reqs = [AddRequest(lid, i, term, lac, lac, rng.randbytes(rng.randint(1, 300))) for i in range(next_id, next_id + rng.randint(1, 16))]
 
 
-@pytest.mark.timeout(240)
+KILLS = int(os.environ.get("SCROLL_KILLS", "20"))
+
+
+@pytest.mark.timeout(max(240, 12 * KILLS))  # a kill cycle takes a few seconds on a loaded machine
 def test_acknowledged_adds_survive_sigkill(bookie_process) -> None:
     seed = int(os.environ.get("SCROLL_KILL_SEED", random.randrange(1 << 30)))
-    kills = int(os.environ.get("SCROLL_KILLS", "20"))
+    kills = KILLS
     print(f"SCROLL_KILL_SEED={seed}")
     rng = random.Random(seed)
     h = History()
