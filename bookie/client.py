@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -271,6 +272,10 @@ class _AddStream:
         for task in (self.sender, self.reader):
             task.cancel()
         await asyncio.gather(self.sender, self.reader, return_exceptions=True)
+        # let gRPC take the cancelled call's status: its own status task would otherwise still be
+        # pending when an owner stops the loop ("Task was destroyed but it is pending!")
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.call.code(), 2.0)
 
 
 def _describe(exc: BaseException) -> str:
@@ -335,6 +340,7 @@ class BookieClient:
         )
         self._stub = pb_grpc.BookieStub(self._channel)
         self._stream: _AddStream | None = None
+        self._calls: set = set()  # unary calls not yet finished
 
     async def __aenter__(self) -> BookieClient:
         return self
@@ -343,9 +349,17 @@ class BookieClient:
         await self.close()
 
     async def close(self) -> None:
+        """Cancel every call still running and wait until gRPC has finished each (closing the
+        channel alone cancels them but leaves their status tasks pending on the loop)."""
         if self._stream is not None:
             await self._stream.close()
             self._stream = None
+        calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        if calls:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*(c.code() for c in calls), return_exceptions=True), 2.0)
         await self._channel.close()
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
@@ -436,7 +450,7 @@ class BookieClient:
     async def fence(self, ledger_id: int, term: int):
         """Answers FenceOk(lac, lafr), InvalidTerm or FenceFailed."""
         try:
-            r = await self._stub.Fence(pb.FenceRequest(ledger_id=ledger_id, term=term), timeout=self.call_timeout_s)
+            r = await self._tracked(self._stub.Fence, pb.FenceRequest(ledger_id=ledger_id, term=term))
         except grpc.aio.AioRpcError as exc:
             log.warning("fence ledger=%d term=%d on %s failed: %s", ledger_id, term, self.bookie, _describe(exc))
             return FenceFailed(self.bookie, ledger_id, term)
@@ -451,7 +465,7 @@ class BookieClient:
         """Answers ReadOk(entry_term, data), ReadMissing, InvalidTerm or ReadFailed."""
         req = pb.RecoveryReadRequest(ledger_id=ledger_id, entry_id=entry_id, term=term)
         try:
-            r = await self._stub.RecoveryRead(req, timeout=self.call_timeout_s)
+            r = await self._tracked(self._stub.RecoveryRead, req)
         except grpc.aio.AioRpcError as exc:
             log.warning("recovery read ledger=%d entry=%d term=%d failed: %s", ledger_id, entry_id, term, _describe(exc))
             return ReadFailed(self.bookie, ledger_id, entry_id, term)
@@ -471,7 +485,7 @@ class BookieClient:
         """Answers LacWritten, InvalidTerm, NotTruncated (entry_id = lac) or WriteFailed."""
         req = pb.WriteLacRequest(ledger_id=ledger_id, term=term, lac=lac, lafr=lafr)
         try:
-            r = await self._stub.WriteLac(req, timeout=self.call_timeout_s)
+            r = await self._tracked(self._stub.WriteLac, req)
         except grpc.aio.AioRpcError as exc:
             log.warning("LAC write ledger=%d term=%d failed: %s", ledger_id, term, _describe(exc))
             return WriteFailed(self.bookie, ledger_id, lac, term)
@@ -532,9 +546,17 @@ class BookieClient:
             r.bookie_id, r.free_bytes, r.used_bytes, r.read_only, r.read_only_reason, r.ledgers, r.write_cache_bytes, r.version
         )
 
+    def _tracked(self, method, req, extra_s: float = 0.0):
+        """Start a unary call, kept in ``_calls`` until gRPC has its status, even when the task
+        awaiting it was cancelled (a losing speculative read): close() waits for them."""
+        call = method(req, timeout=self.call_timeout_s + extra_s)
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+        return call
+
     async def _unary(self, method, req, extra_s: float = 0.0):
         try:
-            return await method(req, timeout=self.call_timeout_s + extra_s)
+            return await self._tracked(method, req, extra_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise TooLargeError(_describe(exc)) from exc

@@ -233,6 +233,12 @@ def consume(stream_name, start, follow, max_records, metadata, as_json):
     with _client(metadata) as c:
         try:
             cons = c.consumer(stream_name, start=start_at)
+            if isinstance(start_at, int) and not follow:
+                end = cons.end_position()
+                if start_at > end:  # as Kafka's OFFSET_OUT_OF_RANGE: say so instead of printing nothing
+                    raise click.ClickException(
+                        f"position {start_at} is past the end of {stream_name!r} (the next record will be at "
+                        f"{end}); use --follow to wait for it")
             while max_records is None or seen < max_records:
                 want = 500 if max_records is None else min(500, max_records - seen)
                 batch = cons.read(want, timeout_s=1.0 if follow else 0.0)

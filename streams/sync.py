@@ -28,6 +28,20 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        """Cancel what is still running on the loop and wait for it (as asyncio.run does), then
+        stop: no task is left pending to be reported at exit."""
+        async def finish() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.loop.shutdown_asyncgens()
+
+        if self.thread.is_alive():
+            try:
+                self.run(finish(), timeout=5)
+            except Exception:  # a stuck task must not keep the process from exiting
+                pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.loop.close()

@@ -349,3 +349,26 @@ def test_after_close_every_member_of_the_last_fragment_shows_the_final_lac(clien
         assert c.end_position() == 60
     assert len(c.read(100)) == 59
     assert len(read_all(client, stream_name)) == 59
+
+
+def test_closing_a_client_leaves_no_call_or_task_running(cluster, stream_name):
+    """`scroll produce` printed "Task was destroyed but it is pending" (a gRPC call's status task)
+    at exit: a closed client must have finished every call it opened, so that its owner can stop
+    the event loop at once."""
+    import asyncio
+
+    c = connect(cluster.metadata_url, add_timeout_s=5.0, call_timeout_s=5.0)
+    try:
+        c.create_stream(stream_name)
+        with c.producer(stream_name) as p:
+            p.append_many([b"a", b"b", b"c"])
+        assert [r.value for r in c.consumer(stream_name).read(10)] == [b"a", b"b", b"c"]
+        c._loop.run(c._c.close(), timeout=10)
+
+        async def still_running():
+            return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+        left = c._loop.run(still_running(), timeout=10)
+        assert left == [], [(t, t.get_stack()) for t in left]
+    finally:
+        c._loop.stop()
