@@ -7,6 +7,11 @@ over the ids after it) commits and drops that generation from memory; back on th
 disk result is checked against the write cache, which no longer knows anything newer. Each test
 pauses the disk part right after it read the entry logs (an event, not a sleep), completes the
 flush, releases the read, and asserts that term 12's copy is answered and nothing after it.
+
+Every read of entries goes through ``Engine.range_steps`` (the Read RPC, long-poll readers' reads
+after a LAC wake-up, and RecoveryRead through ``aread_entry``). A single-entry read checks its id
+against the write cache before any disk part, so it can only meet this race for a truncation that
+arrived after it began (either answer is then correct); the RPC test below covers the range read.
 """
 
 from __future__ import annotations
