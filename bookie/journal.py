@@ -23,8 +23,10 @@ place and the directory synced. So a ``journal-<id>.jnl`` always carries its own
 ``delete_covered`` (which decides that a file is covered by the *next* file's first seq) can never
 read a recycled file's stale header. Every spare has a name of its own (``journal-spare-<n>.tmp``):
 a covered file recycled while the writer is still renaming the spare it took never lands on that
-name. A header whose file id is not its name's is treated as no header. On a write error the records stay queued, the journal rotates to a fresh file (the failed
-tail may be garbage) and retries later; waiters get a ``StorageError``.
+name. A header whose file id is not its name's is treated as no header.
+
+On a write error the records stay queued, the journal rotates to a fresh file (the failed tail may
+be garbage) and retries later; waiters get a ``StorageError``.
 
 Replay reads the files in id order and stops reading a file at the first frame whose length or CRC
 is wrong (a torn write: never acknowledged, never served), then continues with the next file.
@@ -61,7 +63,7 @@ FILE_HEADER = struct.Struct("<8sQQ")  # magic, file id, first seq
 MAGIC = b"SCRLJNL1"
 HEADER_BYTES = 64
 FILE_RE = re.compile(r"^journal-(\d{12})\.jnl$")
-SPARE_RE = re.compile(r"^journal-(spare-\d+|new-\d+)\.tmp$")
+SPARE_RE = re.compile(r"^journal-(spare|spare-\d+|new-\d+)\.tmp$")
 ZERO_CHUNK = b"\0" * (1 << 20)
 IOV_MAX = 1024
 

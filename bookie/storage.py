@@ -19,9 +19,10 @@ run of similar adds instead of one per add. A truncating add always calls ``deci
 Writes: journal -> write cache (``cache.py``) -> background flush (``flush.py``) -> entry logs +
 RocksDB index, with a checkpoint mark (the journal seq covered). Reads: write cache -> read cache ->
 index -> entry log; a disk part runs in a read thread and is checked on return against the write
-cache including the generations flushed while it ran (``range_steps``; ``cache.py`` explains why). Restart: load states and the mark from the index, replay the journal after the
-mark (re-deciding each add, so the result is the same as before the crash), then fdatasync the
-journal files replayed (a killed process may have left records only in the page cache). A full disk (ENOSPC,
+cache including the generations flushed while it ran (``range_steps``; ``cache.py`` explains why).
+Restart: load states and the mark from the index, replay the journal after the mark (re-deciding
+each add, so the result is the same as before the crash), then fdatasync the journal files
+replayed (a killed process may have left records only in the page cache). A full disk (ENOSPC,
 EIO on a write, or free space under ``min_free_bytes``) makes the engine read-only; ``check_disk``
 lifts it once space is back and the journal writes again.
 """
