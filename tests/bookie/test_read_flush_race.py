@@ -1,6 +1,6 @@
 """A read whose disk part overlaps a flush must not answer a copy that a newer term truncated.
 
-The interleaving (issue 11, and the one unexplained ``test_kill`` failure): a range read sends its
+The interleaving (issue 11, and the ``test_kill`` failure of 2026-11-22): a range read sends its
 disk part to a read thread, and the index still names term 11's copy of entry X; meanwhile the
 flush of the write-cache generation holding term 12's truncating no-op at X (and the tombstone
 over the ids after it) commits and drops that generation from memory; back on the event loop the

@@ -8,8 +8,8 @@ whatever was flushed, checkpointed or still in flight when the bookie crashed, a
 * incarnation C must read term 12's no-op at 50.
 
 Written after `test_kill` failed once this way under heavy load (seed 707698132, not reproduced);
-these deterministic interleavings all pass, so that failure is still unexplained (see the notes in
-docs/bookie.md, "Open questions").
+these storage interleavings all passed; the failure was a read racing the first flush after the
+restart (tests/bookie/test_read_flush_race.py; docs/bookie.md, "What the test_kill failure ... was").
 """
 
 from __future__ import annotations
