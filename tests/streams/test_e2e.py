@@ -176,7 +176,10 @@ def test_sigkill_a_bookie_the_writer_changes_ensemble_and_loses_nothing(client, 
     assert "error" not in result, result.get("error")
     assert result["positions"] == list(range(1, n + 1))  # every append acknowledged, in order
     info = client.describe_stream(stream_name)
-    assert len(info.fragments) >= 2 and victim_name not in info.fragments[-1].ensemble
+    # the writer changed the ensemble away from the victim; a later change may bring it back in
+    # (with 4 bookies, when a second member times out on a loaded machine, a bookie that failed
+    # before is the only candidate left), so look at every fragment after the first
+    assert len(info.fragments) >= 2 and any(victim_name not in f.ensemble for f in info.fragments[1:])
     got = {r.position: r.value for r in read_all(client, stream_name)}
     assert got == dict(zip(result["positions"], values))
     print(f"\nkilled {victim_name} at LAC {killed_at}; ensemble change at entry {info.fragments[-1].first_entry_id}: "
