@@ -145,6 +145,11 @@ class WriteCache:
     def retired_count(self) -> int:
         return len(self._retired)
 
+    @property
+    def retired_bytes(self) -> int:
+        """Memory held by flushed generations that in-flight reads still need."""
+        return sum(gen.bytes for _n, gen in self._retired)
+
     def swap(self) -> WriteGen:
         assert self.flushing is None, "one flush at a time"
         self.flushing, self.active = self.active, WriteGen()

@@ -34,6 +34,10 @@ class BookieMetrics:
         )
         self.queue_depth = Gauge("scroll_bookie_add_queue_depth", "Add batches waiting for their journal sync", registry=r)
         self.write_cache_bytes = Gauge("scroll_bookie_write_cache_bytes", "Unflushed bytes in the write cache", registry=r)
+        self.write_cache_retired_bytes = Gauge(
+            "scroll_bookie_write_cache_retired_bytes",
+            "Bytes of flushed write-cache generations kept for disk reads that began before their flush", registry=r,
+        )
         self.cache_lookups = Counter(
             "scroll_bookie_cache_lookups", "Read lookups by cache and result", ["cache", "result"], registry=r
         )

@@ -169,6 +169,7 @@ class Engine:
         self._flush_lock: asyncio.Lock | None = None
         self._retry_job: FlushJob | None = None
         self.metrics.write_cache_bytes.set_function(lambda: self.write_cache.bytes)
+        self.metrics.write_cache_retired_bytes.set_function(lambda: self.write_cache.retired_bytes)
 
     # ================================================================ life cycle
 

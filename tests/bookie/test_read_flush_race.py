@@ -86,8 +86,12 @@ async def _race(engine: Engine, read) -> object:
     generation_before = engine.write_cache.flushes
     await engine.flush_async()
     assert engine.write_cache.flushes == generation_before + 1  # the flush did complete meanwhile
+    retired = engine.metrics.registry.get_sample_value("scroll_bookie_write_cache_retired_bytes")
+    assert retired > 0, "the flushed generation is kept (and shown) while the read needs it"
     paused.release.set()
-    return await task
+    answer = await task
+    assert engine.metrics.registry.get_sample_value("scroll_bookie_write_cache_retired_bytes") == 0
+    return answer
 
 
 def test_a_range_read_overlapping_the_flush_of_a_truncation_answers_the_newer_term(tmp_path: Path) -> None:
