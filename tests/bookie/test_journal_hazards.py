@@ -77,6 +77,30 @@ class PausedRename:
         assert self.release.wait(30), "the test never released the writer"
 
 
+def rotate_while_paused(j: Journal, pause: PausedRename, written: list[int], file_id: int, meanwhile) -> None:
+    """Write in a thread until the journal rotates into ``file_id``, pausing at the rename; run
+    ``meanwhile`` in this thread while it is paused; release; the writer must finish cleanly."""
+    pause.armed = True
+    failure: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            write_until_file(j, file_id, written)
+        except BaseException as exc:  # reported below
+            failure.append(exc)
+            pause.paused.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert pause.paused.wait(30), "the writer never reached the rename"
+        meanwhile()
+    finally:
+        pause.release.set()
+        t.join(30)
+    assert not failure, failure
+
+
 def test_a_file_renamed_into_place_already_carries_its_own_header(tmp_path: Path, monkeypatch) -> None:
     """The window between naming a new file and writing its header: a recycled spare still carries
     the old header (a small first seq), and a delete_covered running then took the file just closed
@@ -87,25 +111,8 @@ def test_a_file_renamed_into_place_already_carries_its_own_header(tmp_path: Path
     covered = first_seq(tmp_path, 2) - 1  # a checkpoint covering file 1 only
     assert j.delete_covered(covered) == 0  # file 1 is recycled as the next spare, not deleted
     pause = PausedRename(monkeypatch, after=True)
-    pause.armed = True
-    failure: list[BaseException] = []
-
-    def writer() -> None:
-        try:
-            write_until_file(j, 3, written)
-        except BaseException as exc:  # reported by the test thread
-            failure.append(exc)
-            pause.paused.set()
-
-    t = threading.Thread(target=writer)
-    t.start()
-    try:
-        assert pause.paused.wait(30)
-        j.delete_covered(covered)  # the same checkpoint: nothing of file 2 is covered
-    finally:
-        pause.release.set()
-        t.join(30)
-    assert not failure, failure
+    # the same checkpoint while the writer is paused: nothing of file 2 is covered
+    rotate_while_paused(j, pause, written, 3, lambda: j.delete_covered(covered))
     j.crash()
     assert replayed(tmp_path) == [s for s in written if s > covered], "a synced record was lost"
     assert (tmp_path / "journal-000000000002.jnl").exists()
@@ -120,25 +127,8 @@ def test_a_covered_file_recycled_while_the_writer_renames_its_spare_lands_elsewh
     write_until_file(j, 2, written)
     covered = first_seq(tmp_path, 2) - 1
     pause = PausedRename(monkeypatch, after=False)
-    pause.armed = True
-    failure: list[BaseException] = []
-
-    def writer() -> None:
-        try:
-            write_until_file(j, 3, written)
-        except BaseException as exc:
-            failure.append(exc)
-            pause.paused.set()
-
-    t = threading.Thread(target=writer)
-    t.start()
-    try:
-        assert pause.paused.wait(30)
-        j.delete_covered(covered)  # file 1 is covered: recycled as the next spare
-    finally:
-        pause.release.set()
-        t.join(30)
-    assert not failure, failure
+    # file 1 is covered: recycled as the next spare while the writer is paused
+    rotate_while_paused(j, pause, written, 3, lambda: j.delete_covered(covered))
     write_until_file(j, 5, written)  # the next rotations find their spares
     j.close()
     assert replayed(tmp_path) == [s for s in written if s > covered]

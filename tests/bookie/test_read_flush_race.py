@@ -17,6 +17,7 @@ arrived after it began (either answer is then correct); the RPC test below cover
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
 
@@ -71,6 +72,18 @@ class PausedDiskReads:
         return result
 
 
+@contextlib.asynccontextmanager
+async def started(cfg):
+    """An engine opened and started on ``cfg`` (its background loops run), closed at the end."""
+    e = Engine(cfg)
+    e.open()
+    await e.start()
+    try:
+        yield e
+    finally:
+        await e.aclose()
+
+
 def _answered(res) -> list[tuple[int, int, bytes]]:
     return [(eid, entry[0], entry[3]) for eid, entry in res.entries]
 
@@ -96,18 +109,13 @@ async def _race(engine: Engine, read) -> object:
 
 def test_a_range_read_overlapping_the_flush_of_a_truncation_answers_the_newer_term(tmp_path: Path) -> None:
     async def scenario() -> None:
-        e = Engine(small_config(tmp_path, **QUIET))
-        e.open()
-        await e.start()
-        try:
+        async with started(small_config(tmp_path, **QUIET)) as e:
             _term_11_flushed_then_term_12_truncates(e)
             res = await _race(e, lambda: e.aread_range(L, 0, 9))
             assert _answered(res) == WANT
             # and once nothing is in flight, the same read still agrees (from disk this time)
             assert _answered(await e.aread_range(L, 0, 9)) == WANT
             assert e.write_cache.retired_count == 0  # nothing is kept once no read needs it
-        finally:
-            await e.aclose()
 
     run(scenario())
 
@@ -123,14 +131,9 @@ def test_after_a_restart_the_first_flush_racing_the_first_read_answers_the_repla
     a.crash()  # ... and never flushed
 
     async def scenario() -> None:
-        b = Engine(cfg)
-        b.open()
-        await b.start()
-        try:
+        async with started(cfg) as b:
             res = await _race(b, lambda: b.aread_range(L, 0, 9))
             assert _answered(res) == WANT
-        finally:
-            await b.aclose()
 
     run(scenario())
 
@@ -139,10 +142,7 @@ def test_a_flush_and_a_later_overwrite_during_the_read_still_answer_the_newest_c
     """Two flushes complete while one read is out: the generations are consulted newest first."""
 
     async def scenario() -> None:
-        e = Engine(small_config(tmp_path, **QUIET))
-        e.open()
-        await e.start()
-        try:
+        async with started(small_config(tmp_path, **QUIET)) as e:
             _term_11_flushed_then_term_12_truncates(e)
             paused = PausedDiskReads(e)
             task = asyncio.ensure_future(e.aread_range(L, 0, 9))
@@ -154,8 +154,6 @@ def test_a_flush_and_a_later_overwrite_during_the_read_still_answer_the_newest_c
             paused.release.set()
             res = await task
             assert _answered(res) == [(0, 11, b"t11-0"), (1, 11, b"t11-1"), (2, 11, b"t11-2"), (3, 13, b"t13-3")]
-        finally:
-            await e.aclose()
 
     run(scenario())
 
