@@ -172,11 +172,18 @@ def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
         # kill -9 of `make run` and scroll standalone (a closed terminal, an OOM kill): the children
         # it started notice that their parent is gone and stop; nothing keeps the ports
         run.kill()
+        served = (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"])
+
+        def remains() -> list:
+            # a process that is exiting has an empty /proc cmdline before its sockets close: wait
+            # for both the processes and the ports to be gone
+            return _left_behind(data, ports) + [p for p in served if _listening(p)]
+
         deadline = time.monotonic() + 45
-        while _left_behind(data, ports) and time.monotonic() < deadline:
+        while remains() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _left_behind(data, ports), "still running after kill -9 of scroll standalone"
-        for p in (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"]):
+        for p in served:
             assert not _listening(p), f"something still listens on port {p}"
     finally:
         run.kill()
