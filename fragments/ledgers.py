@@ -153,7 +153,7 @@ class LedgerStore:
             last_fragment_index=0,
             retention=dict(retention or {}),
         )
-        frag0 = Fragment(index=0, first_entry_id=0, ensemble=ensemble, created_term=0)
+        frag0 = Fragment(index=0, first_entry_id=0, ensemble=ensemble, created_term=0, first_offset=0)
         mkey = meta_key(ledger_id)
         result = await self.store.txn(
             compares={by_name_key(name): 0, mkey: 0},

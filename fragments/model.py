@@ -1,7 +1,9 @@
 """The metadata model: one record per ledger plus one record per fragment.
 
 A ledger (a stream) is an unbounded chain of fragments. Each fragment is a contiguous run of entry
-ids stored on one ensemble of bookies. Only the ledger record and the tail fragment change while a
+ids stored on one ensemble of bookies. A fragment also records the record offset of its first
+record when its writer knew it (entries are record batches; see ``streams/batches.py``), so the
+earliest offset and retention need no data reads. Only the ledger record and the tail fragment change while a
 stream is written, so metadata stays small however long a stream lives: a writer never needs the
 whole fragment list, only the last fragment.
 
@@ -61,6 +63,7 @@ class Fragment:
     created_term: int
     last_entry_id: int | None = None  # set when sealed
     size_bytes: int | None = None  # payload bytes written by the sealing term, when known
+    first_offset: int | None = None  # record offset of its first record (None: not known when created)
 
     @property
     def sealed(self) -> bool:
@@ -81,6 +84,9 @@ class Fragment:
         d = json.loads(raw)
         d["ensemble"] = tuple(d["ensemble"])
         return cls(**d)
+
+    def with_(self, **changes) -> Fragment:
+        return replace(self, **changes)
 
 
 @dataclass(frozen=True, slots=True)

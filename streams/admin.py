@@ -446,7 +446,7 @@ async def _fix_fragment(client, meta, f: Fragment, missing: dict[str, list[int]]
             replaced[slot] = target
             ens[slot] = target
     if replaced:
-        new = Fragment(f.index, f.first_entry_id, tuple(ens), f.created_term, f.last_entry_id, f.size_bytes)
+        new = f.with_(ensemble=tuple(ens))
         if not await _replace_in_record(client, meta, f, new):
             raise AdminError("the fragment or ledger changed while copying; run check again")
         rep.new_ensemble = list(ens)
@@ -511,7 +511,7 @@ async def _move(client, meta: LedgerMeta, f: Fragment, bookie_id: str) -> dict:
         target = new_ens[slot]
         ids = _slot_ids(f, slot, meta.config.write_quorum)
         copied = await _refill(cluster, meta, f, slot, target, ids)
-        new = Fragment(f.index, f.first_entry_id, new_ens, f.created_term, f.last_entry_id, f.size_bytes)
+        new = f.with_(ensemble=new_ens)
         if await _replace_in_record(client, meta, f, new):
             return {"stream": meta.name, "fragment": f.index, "from": bookie_id, "to": target, "entries": copied}
         # the ledger moved on (rollover, retention): look at the fragment again

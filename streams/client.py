@@ -3,18 +3,18 @@
     client = await streams.connect("etcd://127.0.0.1:2379")
     await client.create_stream("orders", ensemble=3, write_quorum=3, ack_quorum=2)
     async with await client.producer("orders") as p:
-        pos = await p.append(b"hello", key=b"k1", headers={"source": b"web"})
+        offset = await p.append(b"hello", key=b"k1", headers={"source": b"web"})
     c = await client.consumer("orders", start="earliest")
     async for record in c: ...
 
-A stream is one unbounded ledger. Opening a producer takes the stream over (a new term): from then
-on it is the only writer, and a producer that was taken over fails its next append with
+A stream is one unbounded ledger whose entries are record batches with dense record offsets (see
+``streams.batches``). Opening a producer takes the stream over (a new term): from then on it is the
+only writer and assigns the offsets, and a producer that was taken over fails its next append with
 ``StaleTermError``. See ``streams.sync`` for the blocking form.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 from dataclasses import dataclass
 
@@ -23,11 +23,11 @@ from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
 from fragments.stores import open_store
 
-from . import records
 from .cluster import Cluster
 from .consumer import EARLIEST, Consumer
 from .driver import ProducerOptions, WriterDriver
-from .errors import InvalidArgument, NoBookiesAvailable, NoSuchStream, PayloadTooLarge, StreamExists
+from .errors import InvalidArgument, NoBookiesAvailable, NoSuchStream, StreamExists
+from .producer import Producer
 
 MAX_ENTRY_BYTES = 1 << 20
 
@@ -44,64 +44,6 @@ class StreamInfo:
     @property
     def bytes(self) -> int:
         return sum(f.size_bytes or 0 for f in self.fragments)
-
-
-class Producer:
-    def __init__(self, driver: WriterDriver, max_entry_bytes: int):
-        self._driver = driver
-        self.max_entry_bytes = max_entry_bytes
-
-    @property
-    def term(self) -> int:
-        return self._driver.writer.term
-
-    @property
-    def stream_id(self) -> int:
-        """The ledger id of the stream this producer writes."""
-        return self._driver.writer.ledger.ledger_id
-
-    @property
-    def lac(self) -> int:
-        """The last position this producer has had acknowledged (everything up to it is readable)."""
-        return self._driver.writer.lac
-
-    def _encode(self, value, key, headers, timestamp_ms) -> bytes:
-        raw = records.encode(value, key, headers, timestamp_ms)
-        if len(raw) > self.max_entry_bytes:
-            raise PayloadTooLarge(f"record of {len(raw)} bytes is over the {self.max_entry_bytes}-byte entry limit")
-        return raw
-
-    async def append(self, value: bytes, key: bytes | None = None, headers=None, timestamp_ms: int | None = None) -> int:
-        """Append one record; returns its position once acknowledged (in order, at AQ)."""
-        return await self._driver.append(self._encode(value, key, headers, timestamp_ms))
-
-    async def append_future(self, value: bytes, key: bytes | None = None, headers=None,
-                            timestamp_ms: int | None = None) -> asyncio.Future:
-        """Queue one record (waiting only for in-flight space); the future resolves to its position."""
-        raw = self._encode(value, key, headers, timestamp_ms)
-        while not self._driver.can_append(len(raw)):
-            await self._driver.wait_for_space()
-        return self._driver.append_nowait(raw)
-
-    async def append_raw(self, data: bytes) -> asyncio.Future:
-        """Queue pre-encoded entry bytes (used by the Kafka shim, which stores record batches)."""
-        if len(data) > self.max_entry_bytes:
-            raise PayloadTooLarge(f"entry of {len(data)} bytes is over the {self.max_entry_bytes}-byte limit")
-        while not self._driver.can_append(len(data)):
-            await self._driver.wait_for_space()
-        return self._driver.append_nowait(data)
-
-    async def flush(self) -> None:
-        await self._driver.flush()
-
-    async def close(self, seal: bool = False) -> None:
-        await self._driver.close(seal=seal)
-
-    async def __aenter__(self) -> Producer:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
 
 class ScrollClient:
@@ -161,7 +103,14 @@ class ScrollClient:
         await self._meta(stream)
         driver = WriterDriver(self.cluster, stream, options)
         await driver.open()
-        return Producer(driver, self.cluster.max_entry_bytes)
+        try:
+            meta, _ = await self.cluster.ledgers.get_ledger(driver.ledger_id)
+            reader = Consumer(self.cluster, meta)
+            next_offset = await reader.offset_after(driver.writer.lac)  # from the last batch at or below the LAC
+        except BaseException:
+            await driver.close()
+            raise
+        return Producer(driver, self.cluster.max_entry_bytes, next_offset, options)
 
     async def consumer(self, stream: str, start=EARLIEST, **options) -> Consumer:
         meta = await self._meta(stream)

@@ -1,13 +1,20 @@
-"""The consumer: reads a stream from a position, never above the LAC, skipping no-op entries.
+"""The consumer: reads a stream's records by record offset, never above the LAC.
 
-How this works. The consumer keeps its position and the highest LAC it has learnt (every read
-answer carries the bookie's LAC). When it has caught up it sends a long-poll LAC read to a bookie
-of the last fragment, which answers as soon as the LAC passes the position — a tailing consumer is
-woken by the write, not by a timer. Entries are read in ranges from one member of the write set
-(``terms.reader.read_order``), failing over to the next member on an error, a missing entry or a
-corrupt copy, and sending a speculative second read when the first is slow. Copies older than the
-fragment (leftovers of an earlier term) are never served. Fragments are cached and refreshed when
-the position moves past the cached ones or a read comes back empty below the LAC.
+How this works. Entries are record batches (``streams/batches.py``); the consumer keeps its
+**position** (the offset of the next record it returns), the entry it reads next, and the highest
+LAC it has learnt (every read answer carries the bookie's LAC). When it has caught up it sends a
+long-poll LAC read to a bookie of the last fragment, which answers as soon as the LAC passes the
+entry — a tailing consumer is woken by the write, not by a timer. Entries are read in ranges from
+one member of the write set (``terms.reader.read_order``), failing over to the next member on an
+error, a missing entry or a corrupt copy, and sending a speculative second read when the first is
+slow. Copies older than the fragment (leftovers of an earlier term) are never served; no-op entries
+take no offsets and are skipped. Fragments are cached and refreshed when the position moves past
+the cached ones or a read comes back empty below the LAC.
+
+Seeking to an offset narrows to one fragment by the fragments' first offsets (metadata), then
+binary-searches its entries, one single-entry read per step (``streams/offsets.py``); points learnt
+on the way are cached in an ``OffsetIndex``. Seeking to a timestamp binary-searches batches' max
+timestamps the same way.
 """
 
 from __future__ import annotations
@@ -19,23 +26,24 @@ import logging
 from bookie.client import ReadResult
 from bookie.errors import BookieError
 from fragments.model import Fragment, LedgerMeta, LedgerStatus, fragment_for
-from terms import entry as entry_codec
 from terms.quorum import write_set
 from terms.reader import copy_is_current, read_order
 
-from . import records
+from .batches import Record, StoredBatch, records_of, stored_batch
 from .errors import DataRemovedError, ReadFailedError
+from .offsets import OffsetIndex, next_batch, search_offset, search_timestamp
 
 log = logging.getLogger(__name__)
 
 EARLIEST = "earliest"
 LATEST = "latest"
 STRIPED_RUNS = 32  # concurrent replica reads per range of a striped fragment
+SCAN_BACK_ENTRIES = 64  # entries read at a time when looking back for the last batch
 
 
 class Consumer:
     def __init__(self, cluster, meta: LedgerMeta, *, long_poll_s: float = 30.0, speculative_s: float = 0.05,
-                 max_read_entries: int = 1000, max_read_bytes: int = 4 << 20):
+                 max_read_entries: int = 1000, max_read_bytes: int = 4 << 20, index_points: int = 10_000):
         self.cluster = cluster
         self.meta = meta
         self.name = meta.name
@@ -44,63 +52,221 @@ class Consumer:
         self.max_read_entries = max_read_entries
         self.max_read_bytes = max_read_bytes
         self.fragments: list[Fragment] = []
-        self.position = 0
+        self.position = 0  # record offset of the next record read() returns
+        self.entry = 0  # entry id read next
         self.lac = -1
         self.seen_term = -1  # the highest term a bookie answered with (see _read_one)
+        self.index = OffsetIndex(index_points)
         self._rotate = 0
+        self._buf: list[Record] = []
+        self._buf_at = 0
+        self._read_end = 0  # end offset of the last batch read into the buffer
+        self._first_offsets: dict[tuple[int, int], int] = {}  # (fragment index, first entry) -> offset
+        self._end_cache: tuple[int, int] = (-2, 0)  # (entry id, offset after it)
 
     # ---------------------------------------------------------------- position
     async def start_at(self, start) -> None:
         await self._refresh()
         if start == EARLIEST:
-            self.position = self.earliest()
+            await self.seek(await self.earliest_offset())
         elif start == LATEST:
             await self._learn_lac(0.0)
-            self.position = self.lac + 1
+            self._set(await self.offset_after(self.lac), self.lac + 1)
         else:
-            self.seek(int(start))
+            await self.seek(int(start))
 
-    def seek(self, position: int) -> None:
-        if position < 0:
-            raise ValueError("position must be >= 0")
-        self.position = position
+    def _set(self, offset: int, entry: int) -> None:
+        self.position, self.entry = offset, entry
+        self._buf, self._buf_at, self._read_end = [], 0, offset
 
-    def earliest(self) -> int:
+    async def seek(self, offset: int) -> None:
+        """Read from record ``offset`` next. Past the end, reading waits for it to be written;
+        below the earliest retained offset, raises DataRemovedError(earliest)."""
+        if offset < 0:
+            raise ValueError("offset must be >= 0")
+        if not self.fragments:
+            await self._refresh()
+        earliest = await self.earliest_offset()
+        if offset < earliest:
+            raise DataRemovedError(
+                f"stream {self.name!r}: offset {offset} was removed by retention; earliest is {earliest}", earliest)
+        self._set(offset, await self.locate(offset))
+
+    async def seek_timestamp(self, timestamp_ms: int) -> int:
+        """Move to the first record whose timestamp is >= ``timestamp_ms`` (the end if none);
+        returns the new position."""
+        await self._refresh()
+        await self._learn_lac(0.0)
+        lo, hi = self.earliest_entry() - 1, self.lac + 1
+        b = await search_timestamp(self._next_batch, lo, hi, timestamp_ms)
+        if b is None:
+            self._set(await self.offset_after(self.lac), self.lac + 1)
+            return self.position
+        offset = b.end_offset
+        for r in records_of(b, self.name):
+            if r.timestamp_ms >= timestamp_ms:
+                offset = r.offset
+                break
+        self._set(offset, b.entry_id)
+        return offset
+
+    def earliest_entry(self) -> int:
         return self.fragments[0].first_entry_id if self.fragments else 0
 
+    async def earliest_offset(self) -> int:
+        """The first record offset retention has kept."""
+        if not self.fragments:
+            await self._refresh()
+        return await self.first_offset_of(self.fragments[0]) if self.fragments else 0
+
     async def end_position(self) -> int:
-        """One past the last readable entry now (the LAC + 1)."""
+        """One past the last readable record now (the offset the next append gets)."""
         await self._learn_lac(0.0)
-        return self.lac + 1
+        return await self.offset_after(self.lac)
+
+    async def locate(self, offset: int) -> int:
+        """The entry id of the batch holding ``offset``; past the end, the entry after the LAC."""
+        await self._learn_lac(0.0)
+        lo, hi, holds = self.index.bracket(offset)
+        if holds:
+            return lo
+        # Narrow to the fragment whose first offset is the last at or below ``offset``.
+        f = None
+        for cand in reversed(self.fragments):
+            if await self.first_offset_of(cand) <= offset:
+                f = cand
+                break
+        if f is None:
+            f = self.fragments[0]
+        f_lo = f.first_entry_id - 1
+        f_hi = (f.last_entry_id if f.last_entry_id is not None else self.lac) + 1
+        lo = f_lo if lo is None else max(lo, f_lo)
+        hi = f_hi if hi is None else min(hi, f_hi)
+        if lo >= hi:
+            lo, hi = f_lo, f_hi
+        found, below = await search_offset(self._next_batch, lo, hi, offset)
+        if found is not None:
+            return found.entry_id
+        if f.last_entry_id is not None and f is not self.fragments[-1]:
+            return f.last_entry_id + 1  # the offset starts the next fragment
+        return self.lac + 1  # past the end: wait for it
+
+    async def first_offset_of(self, f: Fragment) -> int:
+        """A fragment's first record offset: from its record, else learnt from the entries."""
+        if f.first_offset is not None:
+            return f.first_offset
+        key = (f.index, f.first_entry_id)
+        got = self._first_offsets.get(key)
+        if got is None:
+            got = await self._offset_before_fragment(f)
+            self._first_offsets[key] = got
+        return got
+
+    async def _offset_before_fragment(self, f: Fragment) -> int:
+        i = next((k for k, g in enumerate(self.fragments) if g.index == f.index), 0)
+        if i > 0:
+            return await self.offset_after(f.first_entry_id - 1)
+        # The earliest fragment and its first offset is unknown: its first batch tells.
+        last = f.last_entry_id if f.last_entry_id is not None else self.lac
+        b = await self._next_batch(f.first_entry_id, last)
+        return b.base_offset if b is not None else 0
+
+    async def offset_after(self, eid: int) -> int:
+        """The record offset of the first record after entry ``eid``: the end of the last batch at
+        or below it (scanning back over no-ops), or the first offset of its fragment."""
+        if eid == self._end_cache[0]:
+            return self._end_cache[1]
+        if not self.fragments:
+            await self._refresh()
+        result = None
+        hi = eid
+        while result is None:
+            f = fragment_for(self.fragments, hi) if self.fragments else None
+            if f is None:
+                if self.fragments and hi >= self.fragments[-1].first_entry_id:
+                    f = self.fragments[-1]
+                else:
+                    result = await self.earliest_offset() if self.fragments else 0
+                    break
+            while hi >= f.first_entry_id:
+                lo = max(f.first_entry_id, hi - SCAN_BACK_ENTRIES + 1)
+                got = await self._read_all(lo, hi)
+                for e in reversed(got):
+                    b = stored_batch(e.entry_id, e.data)
+                    if b is not None:
+                        self.index.add(b)
+                        result = b.end_offset
+                        break
+                if result is not None:
+                    break
+                hi = lo - 1
+            if result is None:
+                result = await self.first_offset_of(f)
+        self._end_cache = (eid, result)
+        return result
+
+    async def _read_all(self, first: int, last: int) -> list:
+        out = []
+        while first <= last:
+            got = await self._read_range(first, last)
+            out.extend(got)
+            first = got[-1].entry_id + 1
+        return out
+
+    async def _next_batch(self, first: int, last: int) -> StoredBatch | None:
+        b = await next_batch(self.read_raw, first, last)
+        if b is not None:
+            self.index.add(b)
+        return b
 
     # ---------------------------------------------------------------- reading
-    async def read(self, max_records: int = 100, timeout_s: float = 0.0) -> list[records.Record]:
+    async def read(self, max_records: int = 100, timeout_s: float = 0.0) -> list[Record]:
         """Up to ``max_records`` records from the position; waits up to ``timeout_s`` for new ones."""
-        out: list[records.Record] = []
+        out: list[Record] = []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while len(out) < max_records:
-            if self.position > self.lac:
+            if self._buf_at < len(self._buf):
+                take = self._buf[self._buf_at:self._buf_at + max_records - len(out)]
+                self._buf_at += len(take)
+                out.extend(take)
+                self.position = take[-1].offset + 1
+                if self._buf_at >= len(self._buf):
+                    self._buf, self._buf_at = [], 0
+                    self.position = max(self.position, self._read_end)
+                continue
+            if self.entry > self.lac:
                 await self._learn_lac(0.0)
-            if self.position > self.lac:
+            if self.entry > self.lac:
                 if out or loop.time() >= deadline or self._closed_at_end():
                     break
                 await self._learn_lac(max(0.0, deadline - loop.time()))
                 continue
-            last = min(self.lac, self.position + min(max_records - len(out), self.max_read_entries) - 1)
-            result = await self._read_range(self.position, last)
+            last = min(self.lac, self.entry + self.max_read_entries - 1)
+            result = await self._read_range(self.entry, last)
+            buf = []
             for e in result:
-                if not entry_codec.is_noop(e.data):
-                    out.extend(records.decode_entry(entry_codec.payload_of(e.data), e.entry_id, self.name))
-            self.position = result[-1].entry_id + 1
+                b = stored_batch(e.entry_id, e.data)
+                if b is None:
+                    continue
+                end = b.end_offset
+                if end <= self.position:
+                    continue
+                buf.extend(records_of(b, self.name, self.position))
+                self._read_end = max(self._read_end, end)
+            self.entry = result[-1].entry_id + 1
+            if buf:
+                self._buf, self._buf_at = buf, 0
+            else:
+                self.position = max(self.position, self._read_end)
         return out
 
     async def read_raw(self, first: int, last: int):
         """Raw entries ``first..last`` (clipped to what one replica read returns), no-ops included.
 
         Each item has ``entry_id``, ``data`` (the envelope: see ``terms.entry``) and ``entry_term``.
-        The caller keeps ``last`` at or below the LAC (``end_position() - 1``); this neither moves
-        the consumer's position nor decodes records. Used by the Kafka shim and the Spark source.
+        The caller keeps ``last`` at or below the LAC; this neither moves the consumer's position
+        nor decodes records. Used by the Kafka listener, the Spark source and the admin tools.
         """
         if first > last:
             return []
@@ -109,17 +275,17 @@ class Consumer:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> records.Record:
+    async def __anext__(self) -> Record:
         while True:
-            if getattr(self, "_buf", None):
-                return self._buf.pop(0)
-            self._buf = await self.read(self.max_read_entries, self.long_poll_s)
-            if not self._buf and self._closed_at_end():
+            got = await self.read(1, self.long_poll_s)  # decoded batches wait in the buffer
+            if got:
+                return got[0]
+            if self._closed_at_end():
                 raise StopAsyncIteration
 
     def _closed_at_end(self) -> bool:
         m = self.meta
-        return m.status is LedgerStatus.CLOSED and m.last_entry_id is not None and self.position > m.last_entry_id
+        return m.status is LedgerStatus.CLOSED and m.last_entry_id is not None and self.entry > m.last_entry_id
 
     # ---------------------------------------------------------------- internals
     async def _refresh(self) -> None:
@@ -135,11 +301,11 @@ class Consumer:
             await self._refresh()
             f = fragment_for(self.fragments, entry_id)
         if f is None:
-            earliest = self.earliest()
-            if entry_id < earliest:
+            if entry_id < self.earliest_entry():
+                earliest = await self.earliest_offset()
                 raise DataRemovedError(
-                    f"stream {self.name!r}: position {entry_id} was removed by retention; earliest is {earliest}",
-                    earliest)
+                    f"stream {self.name!r}: entry {entry_id} was removed by retention; earliest offset is "
+                    f"{earliest}", earliest)
             raise ReadFailedError(f"stream {self.name!r}: no fragment holds position {entry_id}")
         return f
 
@@ -149,7 +315,7 @@ class Consumer:
         last = self.fragments[-1]
         bookies = list(last.ensemble)
         self._rotate += 1
-        after = self.position - 1
+        after = self.entry - 1
         for i in range(len(bookies)):
             b = bookies[(self._rotate + i) % len(bookies)]
             client = self.cluster.client(b)

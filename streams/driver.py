@@ -51,12 +51,34 @@ PLACEMENT_REFRESH_FAILED_S = 0.5  # ... while a failed bookie waits for a replac
 
 @dataclass(frozen=True, slots=True)
 class ProducerOptions:
+    """How a producer batches and how its writer pipelines.
+
+    Records accumulate into a batch (one entry) while earlier batches are in flight: a batch goes
+    out when the loop is idle (no added delay), when it reaches ``batch_bytes``, or after
+    ``linger_ms`` if set; at most ``max_inflight_batches`` are in flight, so under load batches
+    grow instead of multiplying. ``buffer_bytes`` bounds records waiting to be sent (appends wait
+    for space beyond it). ``compression``: none, gzip, snappy, lz4 or zstd."""
+
+    batch_bytes: int = 1 << 20
+    linger_ms: float = 0.0
+    compression: str = "none"
+    max_inflight_batches: int = 5
+    buffer_bytes: int = 32 << 20
     max_inflight_entries: int = 20_000
     max_inflight_bytes: int = 64 * 1024 * 1024
     lac_push_idle_s: float = 0.002
     tick_s: float = 0.002
     takeover_attempts: int = 20
     takeover_backoff_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        from .batches import COMPRESSION
+
+        if self.compression not in COMPRESSION:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSION)}, not {self.compression!r}")
+        if self.batch_bytes < 1024 or self.linger_ms < 0 or self.max_inflight_batches < 1 \
+                or self.buffer_bytes < self.batch_bytes:
+            raise ValueError(f"invalid producer options {self}")
 
 
 class WriterDriver:
@@ -77,6 +99,7 @@ class WriterDriver:
         self._queued_adds: dict[tuple[int, str], tuple[LedgerWriter, list[SendAdd]]] = {}
         self._adds_flush_scheduled = False
         self._absent_once: set[str] = set()  # bookies missing from the last registry listing
+        self.on_space: list = []  # callbacks run whenever in-flight space may have freed
 
     # ---------------------------------------------------------------- life cycle
     async def open(self) -> None:
@@ -163,14 +186,15 @@ class WriterDriver:
             return None
 
     # ---------------------------------------------------------------- appends
-    def append_nowait(self, data: bytes) -> asyncio.Future:
-        """Queue one entry; the future resolves to its entry id once acknowledged."""
+    def append_nowait(self, data: bytes, offsets: tuple[int, int] | None = None) -> asyncio.Future:
+        """Queue one entry; the future resolves to its entry id once acknowledged. ``offsets``:
+        (first record offset of the entry, first offset after it), recorded in new fragments."""
         w = self.writer
         if self.failure is not None:
             raise self.failure
         if w is None or w.phase is not Phase.OPEN:
             raise WriterWithdrawn(f"stream {self.name!r} has no open writer")
-        entry_id, cmds = w.append(data)
+        entry_id, cmds = w.append(data, offsets)
         fut = asyncio.get_running_loop().create_future()
         self._acks.append((entry_id, fut))
         self._execute(cmds)
@@ -273,6 +297,8 @@ class WriterDriver:
             # In-flight space frees up when entries reach WQ (LAFR), which can come after their
             # acknowledgement: wake anyone waiting for space on every batch of answers.
             self._space.set()
+            for cb in self.on_space:
+                cb()
 
     def _feed(self, w: LedgerWriter, ev) -> None:
         cmds = w.handle(ev)
@@ -342,6 +368,8 @@ class WriterDriver:
             if not fut.done():
                 fut.set_exception(err)
         self._space.set()
+        for cb in self.on_space:
+            cb()
         self._settle(self._closed, err)
 
     @staticmethod

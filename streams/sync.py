@@ -58,14 +58,14 @@ class SyncProducer:
     def append(self, value: bytes, key: bytes | None = None, headers=None, timestamp_ms: int | None = None) -> int:
         return self._loop.run(self._p.append(value, key, headers, timestamp_ms))
 
-    def append_many(self, values) -> list[int]:
-        """Pipeline many appends; returns their positions in order."""
+    def append_many(self, records) -> list[int]:
+        """Append many records (values, ``(value, key, headers, timestamp_ms)`` tuples or dicts) in
+        as few batches as fit; returns their offsets in order once all are acknowledged."""
+        return self._loop.run(self._p.append_many(records))
 
-        async def go():
-            futs = [await self._p.append_future(v) for v in values]
-            return list(await asyncio.gather(*futs))
-
-        return self._loop.run(go())
+    @property
+    def next_offset(self) -> int:
+        return self._p.next_offset
 
     def flush(self) -> None:
         self._loop.run(self._p.flush())
@@ -86,10 +86,14 @@ class SyncConsumer:
 
     @property
     def position(self) -> int:
+        """The record offset of the next record ``read`` returns."""
         return self._c.position
 
-    def seek(self, position: int) -> None:
-        self._c.seek(position)
+    def seek(self, offset: int) -> None:
+        self._loop.run(self._c.seek(offset))
+
+    def seek_timestamp(self, timestamp_ms: int) -> int:
+        return self._loop.run(self._c.seek_timestamp(timestamp_ms))
 
     def read(self, max_records: int = 100, timeout_s: float = 0.0):
         return self._loop.run(self._c.read(max_records, timeout_s))
@@ -98,7 +102,7 @@ class SyncConsumer:
         return self._loop.run(self._c.end_position())
 
     def earliest(self) -> int:
-        return self._c.earliest()
+        return self._loop.run(self._c.earliest_offset())
 
 
 class SyncClient:

@@ -118,6 +118,7 @@ class _Pending:
     data: bytes
     recovery: bool = False
     truncate: bool = False  # the recovery no-op: goes to the whole ensemble, done when all acked
+    first_offset: int | None = None  # record offset of the entry's first record (given by the caller)
     acks: set[str] = field(default_factory=set)
     sent_to: set[str] = field(default_factory=set)
 
@@ -182,6 +183,9 @@ class LedgerWriter:
         self.last_send_at = now
         self.now = now
         self.close_requested = False
+        # The record offset the next appended entry starts at, as the caller (which formats entries)
+        # says; None until it says. Only used to record fragments' first offsets in metadata.
+        self.next_offset: int | None = None
         self._out: list[Command] = []
 
     # ------------------------------------------------------------------ public API
@@ -191,13 +195,19 @@ class LedgerWriter:
         self._cas(meta, (), "take-over")
         return self._drain()
 
-    def append(self, payload: bytes) -> tuple[int, list[Command]]:
-        """Queue one entry; returns its entry id. Acknowledgement comes later as Acknowledge."""
+    def append(self, payload: bytes, offsets: tuple[int, int] | None = None) -> tuple[int, list[Command]]:
+        """Queue one entry; returns its entry id. Acknowledgement comes later as Acknowledge.
+
+        ``offsets``: (first record offset of this entry, first offset after it). The writer does
+        not read payloads; it keeps these only to record each new fragment's first offset."""
         if self.phase is not Phase.OPEN or self.close_requested:
             raise NotWritable(f"ledger {self.ledger.ledger_id} writer is {self.phase.value}")
         if not self.can_append(len(payload)):
             raise Backpressure("in-flight limit reached")
         entry_id = self._new_pending(entry_codec.encode_data(payload))
+        if offsets is not None:
+            self.pending[entry_id].first_offset = offsets[0]
+            self.next_offset = offsets[1]
         self._pump()
         return entry_id, self._drain()
 
@@ -537,14 +547,15 @@ class LedgerWriter:
             return  # retried on Tick
         newcomers = {b for i, b in enumerate(new_ens) if i not in keep}
         if first == self.fragment.first_entry_id:
-            frag = Fragment(self.fragment.index, first, new_ens, self.fragment.created_term)
+            frag = self.fragment.with_(ensemble=new_ens)
         else:
             sealed = Fragment(
                 self.fragment.index, self.fragment.first_entry_id, ens, self.fragment.created_term,
-                last_entry_id=first - 1, size_bytes=None,
+                last_entry_id=first - 1, size_bytes=None, first_offset=self.fragment.first_offset,
             )
             self.dirty[sealed.index] = sealed
-            frag = Fragment(self.fragment.index + 1, first, new_ens, self.term)
+            frag = Fragment(self.fragment.index + 1, first, new_ens, self.term,
+                            first_offset=self._offset_at(first))
             self.fragment_bytes = 0
         self.dirty[frag.index] = frag
         self.fragment = frag
@@ -563,6 +574,16 @@ class LedgerWriter:
         else:
             self._pump()  # recovery: local until the final CAS
             self._change_ensemble()
+
+    def _offset_at(self, entry_id: int) -> int | None:
+        """The record offset entry ``entry_id`` starts at, if the caller told us (None otherwise:
+        readers then learn a fragment's first offset from its first batch)."""
+        p = self.pending.get(entry_id)
+        if p is not None:
+            return p.first_offset
+        if entry_id == self.lap + 1 and self.phase is Phase.OPEN:
+            return self.next_offset
+        return None
 
     def _place(self, size: int, keep: dict[int, str], avoid: set[str]) -> tuple[str, ...] | None:
         """Fresh bookies first; then ones that failed us before; last, a failed member may rejoin
@@ -611,9 +632,9 @@ class LedgerWriter:
             return
         sealed = Fragment(
             self.fragment.index, self.fragment.first_entry_id, self.fragment.ensemble, self.fragment.created_term,
-            last_entry_id=last, size_bytes=self.fragment_bytes,
+            last_entry_id=last, size_bytes=self.fragment_bytes, first_offset=self.fragment.first_offset,
         )
-        frag = Fragment(self.fragment.index + 1, last + 1, new_ens, self.term)
+        frag = Fragment(self.fragment.index + 1, last + 1, new_ens, self.term, first_offset=self._offset_at(last + 1))
         self.dirty[sealed.index] = sealed
         self.dirty[frag.index] = frag
         self.fragment = frag

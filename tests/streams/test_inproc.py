@@ -13,6 +13,7 @@ from fragments.memstore import MemoryStore
 from fragments.registry import BookieRegistration, register_bookie
 from streams.client import ScrollClient
 from streams.cluster import Cluster
+from streams.driver import ProducerOptions
 from streams.errors import StaleTermError
 
 
@@ -38,27 +39,42 @@ async def stop_cluster(client, servers, regs):
 
 
 def test_produce_consume_take_over_in_process(tmp_path):
+    """Offsets are dense across batches, fragments and a take-over; every new fragment records its
+    first offset; seeks by offset and timestamp land on the right record."""
     async def body():
         client, servers, regs = await start_cluster(tmp_path)
         try:
-            await client.create_stream("s", ensemble=3, write_quorum=2, ack_quorum=2, fragment_entries_max=50)
-            p1 = await client.producer("s")
-            futs = [await p1.append_future(b"a%d" % i) for i in range(200)]
-            positions = await asyncio.gather(*futs)
-            assert positions == list(range(1, 201))
-            assert p1.lac == 200 and p1.stream_id == (await client.describe_stream("s")).meta.ledger_id
-            p2 = await client.producer("s")  # take-over
-            assert p2.term == p1.term + 1
+            await client.create_stream("s", ensemble=3, write_quorum=2, ack_quorum=2, fragment_entries_max=5)
+            p1 = await client.producer("s", ProducerOptions(batch_bytes=1024))  # ~9 records per batch
+            futs = [await p1.append_future(b"a%03d" % i + b"." * 90, timestamp_ms=1000 + i) for i in range(200)]
+            offsets = await asyncio.gather(*futs)
+            assert offsets == list(range(200))
+            assert p1.next_offset == 200
+            p2 = await client.producer("s")  # take-over: learns the next offset from the log
+            assert p2.term == p1.term + 1 and p2.next_offset == 200
             with pytest.raises(StaleTermError):
                 await p1.append(b"late")
-            await p2.append(b"b")
+            assert await p2.append(b"b", timestamp_ms=5000) == 200
+            assert await p2.append_many([b"c", (b"d", b"key", {"h": b"v"}, 6000)]) == [201, 202]
             c = await client.consumer("s", start="earliest")
             got = []
             while batch := await c.read(1000):
                 got.extend(batch)
-            assert [r.value for r in got] == [b"a%d" % i for i in range(200)] + [b"b"]
+            assert [r.offset for r in got] == list(range(203))
+            assert [r.value[:4] for r in got[:200]] == [b"a%03d" % i for i in range(200)]
+            assert (got[-1].key, got[-1].headers, got[-1].timestamp_ms) == (b"key", (("h", b"v"),), 6000)
+            assert c.position == 203 and await c.end_position() == 203
             info = await client.describe_stream("s")
-            assert len(info.fragments) >= 4  # rollover every 50 entries, striped over E=3 WQ=2
+            assert len(info.fragments) >= 4
+            known = [f.first_offset for f in info.fragments if f.first_offset is not None]
+            assert known == sorted(known) and len(known) >= 3 and known[0] == 0
+            for want in (0, 1, 57, 133, 199, 200, 202):
+                await c.seek(want)
+                assert (await c.read(1))[0].offset == want
+            assert await c.seek_timestamp(1100) == 100
+            assert (await c.read(1))[0].timestamp_ms == 1100
+            await c.seek(203)
+            assert await c.read(10) == []
             await p2.close()
         finally:
             await stop_cluster(client, servers, regs)

@@ -1,0 +1,310 @@
+"""The producer: records into record batches, batches into entries, offsets assigned in order.
+
+How this works. A producer is the stream's one writer (it took the stream over when it opened),
+so it assigns record offsets itself: it learnt the next offset on open from the last batch at or
+below the LAC, and every batch it seals takes the next ``count`` offsets. Records accumulate in an
+open batch (aiokafka's builder). The open batch is sealed and sent
+
+- at once when it reaches ``batch_bytes``;
+- when the event loop goes idle (``call_soon``): a lone record goes out with no added delay;
+  with ``linger_ms`` it waits that long for company;
+- when an earlier batch is acknowledged, if ``max_inflight_batches`` were out: under load batches
+  grow instead of multiplying, which is what makes one entry carry thousands of records.
+
+Sealed batches wait in order for the writer's in-flight space; ``buffer_bytes`` bounds what waits
+(appends then wait for space). Each batch has one future, resolved to its base offset when the
+writer acknowledges the entry; a record's offset is base + its index. If the writer is taken over
+(``StaleTermError``) or withdraws, every unacknowledged batch fails with that error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+
+from .batches import COMPRESSION, BatchBuilder, check_batch, normalise_headers, set_base_offset
+from .driver import ProducerOptions, WriterDriver
+from .errors import PayloadTooLarge
+
+_BATCH_OVERHEAD = 256  # batch header + one record's varints, with margin
+
+
+@dataclass(slots=True)
+class _Sealed:
+    data: bytearray | bytes
+    base: int
+    end: int
+    fut: asyncio.Future
+
+
+class Producer:
+    def __init__(self, driver: WriterDriver, max_entry_bytes: int, next_offset: int,
+                 options: ProducerOptions | None = None):
+        o = options or driver.options
+        self._driver = driver
+        self.options = o
+        self.max_entry_bytes = max_entry_bytes
+        self.next_offset = next_offset  # the offset the next sealed batch starts at
+        driver.writer.next_offset = next_offset
+        self._compression = COMPRESSION[o.compression]
+        self._batch_bytes = max(1024, min(o.batch_bytes, max_entry_bytes - 1))
+        self._max_record = max_entry_bytes - 1 - _BATCH_OVERHEAD
+        self._loop = asyncio.get_running_loop()
+        self._open: BatchBuilder | None = None
+        self._open_fut: asyncio.Future | None = None
+        self._opened_at = 0.0
+        self._ready: collections.deque[_Sealed] = collections.deque()
+        self._ready_bytes = 0
+        self._unacked: collections.deque[asyncio.Future] = collections.deque()
+        self._inflight = 0
+        self._idle_scheduled = False
+        self._failure: BaseException | None = None
+        self._space = asyncio.Event()
+        driver.on_space.append(self._pump)
+
+    # ---------------------------------------------------------------- facts
+    @property
+    def term(self) -> int:
+        return self._driver.writer.term
+
+    @property
+    def stream_id(self) -> int:
+        """The ledger id of the stream this producer writes."""
+        return self._driver.writer.ledger.ledger_id
+
+    @property
+    def lac(self) -> int:
+        """The last entry id this producer has had acknowledged."""
+        return self._driver.writer.lac
+
+    # ---------------------------------------------------------------- appends
+    async def append(self, value: bytes, key: bytes | None = None, headers=None,
+                     timestamp_ms: int | None = None) -> int:
+        """Append one record; returns its offset once acknowledged (in order, at AQ)."""
+        await self._wait_for_space()
+        fut, i = self._add(value, key, headers, timestamp_ms)
+        return await fut + i
+
+    async def append_future(self, value: bytes, key: bytes | None = None, headers=None,
+                            timestamp_ms: int | None = None) -> asyncio.Future:
+        """Queue one record (waiting only for buffer space); the future resolves to its offset."""
+        await self._wait_for_space()
+        fut, i = self._add(value, key, headers, timestamp_ms)
+        out = self._loop.create_future()
+        fut.add_done_callback(lambda f: _resolve(out, f, i))
+        return out
+
+    async def append_many(self, records) -> list[int]:
+        """Append many records and wait for all; returns their offsets in order. Each item is a
+        value (bytes), a tuple ``(value, key, headers, timestamp_ms)`` (trailing items optional),
+        or a dict with those keys."""
+        parts: list[tuple[asyncio.Future, int, int]] = []  # (batch future, first index, count)
+        for r in records:
+            if not self._has_space():
+                await self._wait_for_space()
+            if isinstance(r, (bytes, bytearray, memoryview)):
+                fut, i = self._add(r, None, None, None)
+            elif isinstance(r, dict):
+                fut, i = self._add(r["value"], r.get("key"), r.get("headers"), r.get("timestamp_ms"))
+            else:
+                fut, i = self._add(*r)
+            if parts and parts[-1][0] is fut:
+                f, first, n = parts[-1]
+                parts[-1] = (f, first, n + 1)
+            else:
+                parts.append((fut, i, 1))
+        out: list[int] = []
+        for fut, first, n in parts:
+            base = await fut
+            out.extend(range(base + first, base + first + n))
+        return out
+
+    def append_batch(self, batch: bytes | bytearray) -> tuple[int, asyncio.Future]:
+        """Queue a record batch built elsewhere (the Kafka listener stores produce batches as they
+        came): returns (its base offset, a future resolving to it once acknowledged). The caller
+        checks the batch first (``streams.batches.check_batch``) and waits for space itself."""
+        if self._failure is not None:
+            raise self._failure
+        check_batch(batch, "append_batch")
+        if len(batch) + 1 > self.max_entry_bytes:
+            raise PayloadTooLarge(f"batch of {len(batch)} bytes is over the {self.max_entry_bytes}-byte entry limit")
+        self._seal()
+        buf = bytearray(batch)
+        count = int.from_bytes(buf[23:27], "big", signed=True) + 1
+        base = self.next_offset
+        set_base_offset(buf, base)
+        self.next_offset = base + count
+        fut = self._loop.create_future()
+        self._queue(_Sealed(buf, base, base + count, fut))
+        self._pump()
+        return base, fut
+
+    def has_space(self) -> bool:
+        return self._has_space()
+
+    async def wait_for_space(self) -> None:
+        await self._wait_for_space()
+
+    async def flush(self) -> None:
+        """Send what is buffered and wait until everything appended so far is acknowledged."""
+        self._seal()
+        self._pump()
+        if self._unacked:
+            await asyncio.gather(*list(self._unacked), return_exceptions=True)
+
+    async def close(self, seal: bool = False) -> None:
+        try:
+            await self.flush()
+        finally:
+            await self._driver.close(seal=seal)
+
+    async def __aenter__(self) -> Producer:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------- internals
+    def _add(self, value, key, headers, timestamp_ms) -> tuple[asyncio.Future, int]:
+        if self._failure is not None:
+            raise self._failure
+        if not isinstance(value, (bytes, bytearray, memoryview)) and value is not None:
+            raise TypeError(f"record value must be bytes, not {type(value).__name__}")
+        if headers:
+            headers = normalise_headers(headers)
+        else:
+            headers = []
+        size = (len(value) if value is not None else 0) + (len(key) if key is not None else 0)
+        if headers:
+            size += sum(len(n) + (len(v) if v is not None else 0) + 10 for n, v in headers)
+        if size > self._max_record:
+            raise PayloadTooLarge(f"record of {size} bytes is over the {self.max_entry_bytes}-byte entry limit")
+        b = self._open
+        if b is None:
+            b = self._new_batch()
+        if not b.append(value, key, headers, timestamp_ms):
+            self._seal()
+            self._pump()
+            b = self._new_batch()
+            b.append(value, key, headers, timestamp_ms)
+        fut = self._open_fut
+        i = b.count - 1
+        if b.size() >= self._batch_bytes:
+            self._seal()
+            self._pump()
+        elif not self._idle_scheduled:
+            self._idle_scheduled = True
+            self._loop.call_soon(self._on_idle)
+        return fut, i
+
+    def _new_batch(self) -> BatchBuilder:
+        self._open = BatchBuilder(self._compression, self._batch_bytes)
+        self._open_fut = self._loop.create_future()
+        self._opened_at = time.monotonic()
+        return self._open
+
+    def _seal(self) -> None:
+        b = self._open
+        if b is None or b.count == 0:
+            return
+        base = self.next_offset
+        self.next_offset = base + b.count
+        self._queue(_Sealed(b.build(base), base, base + b.count, self._open_fut))
+        self._open = self._open_fut = None
+
+    def _queue(self, s: _Sealed) -> None:
+        self._ready.append(s)
+        self._ready_bytes += len(s.data)
+        self._unacked.append(s.fut)
+
+    def _on_idle(self) -> None:
+        self._idle_scheduled = False
+        b = self._open
+        if b is None or b.count == 0:
+            return
+        linger = self.options.linger_ms / 1000.0
+        if linger > 0:
+            wait = self._opened_at + linger - time.monotonic()
+            if wait > 0:
+                self._idle_scheduled = True
+                self._loop.call_later(wait, self._on_idle)
+                return
+        if self._inflight < self.options.max_inflight_batches and not self._ready:
+            self._seal()
+        # else: it is sent when an in-flight batch is acknowledged (``_acked``)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Hand sealed batches to the writer, in order, while in-flight space allows."""
+        if self._failure is not None:
+            return
+        d = self._driver
+        while self._ready and self._inflight < self.options.max_inflight_batches:
+            s = self._ready[0]
+            try:
+                if not d.can_append(len(s.data) + 1):
+                    break
+                efut = d.append_nowait(s.data, (s.base, s.end))
+            except Exception as exc:  # noqa: BLE001 - taken over or withdrawn: fail what waits
+                self._fail(exc)
+                return
+            self._ready.popleft()
+            self._ready_bytes -= len(s.data)
+            self._inflight += 1
+            efut.add_done_callback(lambda f, s=s: self._acked(s, f))
+        if self._has_space():
+            self._space.set()
+
+    def _acked(self, s: _Sealed, efut: asyncio.Future) -> None:
+        self._inflight -= 1
+        if efut.cancelled() or efut.exception() is not None:
+            self._fail(efut.exception() if not efut.cancelled() else asyncio.CancelledError())
+            return
+        if not s.fut.done():
+            s.fut.set_result(s.base)
+        while self._unacked and self._unacked[0].done():
+            self._unacked.popleft()
+        if not self._ready and self._open is not None and self._open.count and not self._idle_scheduled:
+            self._seal()  # what accumulated while the window was full goes out now
+        self._pump()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._seal()
+        for s in self._ready:
+            if not s.fut.done():
+                s.fut.set_exception(self._failure)
+        for f in self._unacked:
+            if not f.done():
+                f.set_exception(self._failure)
+                f.exception()  # retrieved: a batch nobody awaits must not log "never retrieved"
+        self._ready.clear()
+        self._ready_bytes = 0
+        self._space.set()
+
+    def _has_space(self) -> bool:
+        open_bytes = self._open.size() if self._open is not None else 0
+        return self._ready_bytes + open_bytes < self.options.buffer_bytes
+
+    async def _wait_for_space(self) -> None:
+        while not self._has_space():
+            if self._failure is not None:
+                raise self._failure
+            self._space.clear()
+            await self._space.wait()
+        if self._failure is not None:
+            raise self._failure
+
+
+def _resolve(out: asyncio.Future, batch: asyncio.Future, i: int) -> None:
+    if out.done():
+        return
+    if batch.cancelled():
+        out.cancel()
+    elif batch.exception() is not None:
+        out.set_exception(batch.exception())
+    else:
+        out.set_result(batch.result() + i)
