@@ -16,6 +16,7 @@ only writer and assigns the offsets, and a producer that was taken over fails it
 from __future__ import annotations
 
 import random
+import uuid
 from dataclasses import dataclass
 
 from fragments.ledgers import LedgerExists, NoSuchLedger
@@ -26,8 +27,26 @@ from fragments.stores import open_store
 from .cluster import Cluster
 from .consumer import EARLIEST, Consumer
 from .driver import ProducerOptions, WriterDriver
-from .errors import InvalidArgument, NoBookiesAvailable, NoSuchStream, StreamExists
+from .errors import (
+    InvalidArgument,
+    NoBookiesAvailable,
+    NoSuchStream,
+    NoSuchTopic,
+    ScrollError,
+    StreamExists,
+    TopicExists,
+)
 from .producer import Producer
+from .topics import (
+    MAX_PARTITIONS,
+    TOPICS,
+    InvalidTopicName,
+    TopicMeta,
+    TopicProducer,
+    check_topic_name,
+    partition_stream,
+    topic_key,
+)
 
 MAX_ENTRY_BYTES = 1 << 20
 
@@ -50,7 +69,7 @@ class ScrollClient:
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
 
-    # ---------------------------------------------------------------- streams
+    # ---------------------------------------------------------------- streams and topics
     async def create_stream(
         self,
         name: str,
@@ -61,23 +80,106 @@ class ScrollClient:
         fragment_entries_max: int = 1_000_000,
         retention: dict | None = None,
     ) -> StreamInfo:
-        if not name or "/" in name or len(name) > 249:
-            raise InvalidArgument(f"invalid stream name {name!r} (1-249 characters, no '/')")
+        """A stream of its own: a one-partition topic of the same name (readable by Kafka clients)."""
+        await self.create_topic(name, 1, ensemble=ensemble, write_quorum=write_quorum, ack_quorum=ack_quorum,
+                                fragment_bytes_max=fragment_bytes_max, fragment_entries_max=fragment_entries_max,
+                                retention=retention)
+        return await self.describe_stream(name)
+
+    async def create_topic(self, name: str, partitions: int = 1, configs: dict[str, str] | None = None, *,
+                           ensemble: int = 3, write_quorum: int = 3, ack_quorum: int = 2,
+                           fragment_bytes_max: int = 64 << 20, fragment_entries_max: int = 1_000_000,
+                           retention: dict | None = None, reuse_streams: bool = False) -> TopicMeta:
+        """A topic of ``partitions`` streams (partition p is ``topics.partition_stream(name, p)``).
+        ``reuse_streams``: a partition stream left by an interrupted create is taken as is."""
+        try:
+            check_topic_name(name)
+        except InvalidTopicName as exc:
+            raise InvalidArgument(str(exc)) from exc
+        if not 1 <= partitions <= MAX_PARTITIONS:
+            raise InvalidArgument(f"partitions must be 1..{MAX_PARTITIONS}, not {partitions}")
         try:
             config = LedgerConfig(ensemble, write_quorum, ack_quorum, fragment_bytes_max, fragment_entries_max)
         except InvalidConfig as exc:
             raise InvalidArgument(str(exc)) from exc
+        if await self.cluster.store.get(topic_key(name)) is not None:
+            raise TopicExists(f"topic {name!r} already exists")
+        meta = TopicMeta(name, partitions, configs=dict(configs or {}))
+        for p in range(partitions):
+            await self._create_partition_stream(partition_stream(name, p), config, retention, reuse_streams)
+        if await self.cluster.store.create(topic_key(name), meta.encode()) is None:
+            raise TopicExists(f"topic {name!r} already exists")
+        return meta
+
+    async def _create_partition_stream(self, name: str, config: LedgerConfig, retention, reuse: bool) -> None:
         await self.cluster.refresh_bookies()
         live = self.cluster.live()
         try:
-            ens = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in live]).choose(ensemble)
+            ens = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in live]).choose(
+                config.ensemble_size)
         except NotEnoughBookies as exc:
             raise NoBookiesAvailable(f"cannot create {name!r}: {exc}") from exc
         try:
-            meta, _ = await self.cluster.ledgers.create_ledger(name, config, ens, retention)
+            await self.cluster.ledgers.create_ledger(name, config, ens, retention)
         except LedgerExists as exc:
-            raise StreamExists(f"stream {name!r} already exists") from exc
-        return StreamInfo(meta, await self.cluster.ledgers.fragments(meta.ledger_id))
+            if not reuse:
+                raise StreamExists(f"stream {name!r} already exists") from exc
+
+    async def describe_topic(self, name: str) -> TopicMeta:
+        """The topic record; a stream without one (none is left by ``create_stream``, but one may
+        be made by tools) is a one-partition topic of its own name."""
+        v = await self.cluster.store.get(topic_key(name))
+        if v is not None:
+            return TopicMeta.decode(name, v.value)
+        if ":" not in name:
+            try:
+                await self._meta(name)
+                return TopicMeta(name, 1, uuid.uuid5(uuid.NAMESPACE_URL, "scroll:" + name))
+            except NoSuchStream:
+                pass
+        raise NoSuchTopic(f"no topic named {name!r}")
+
+    async def list_topics(self) -> list[TopicMeta]:
+        rows = await self.cluster.store.list_prefix(TOPICS)
+        out = {k[len(TOPICS):]: TopicMeta.decode(k[len(TOPICS):], v.value) for k, v in rows}
+        for m in await self.list_streams():
+            if ":" not in m.name and m.name not in out:
+                out[m.name] = TopicMeta(m.name, 1, uuid.uuid5(uuid.NAMESPACE_URL, "scroll:" + m.name))
+        return sorted(out.values(), key=lambda t: t.name)
+
+    async def update_topic(self, name: str, change) -> TopicMeta:
+        """Compare-and-set the topic record: ``change(TopicMeta) -> TopicMeta`` (retried on conflict)."""
+        for _ in range(20):
+            v = await self.cluster.store.get(topic_key(name))
+            if v is None:
+                raise NoSuchTopic(f"no topic named {name!r}")
+            new = change(TopicMeta.decode(name, v.value))
+            if await self.cluster.store.cas(topic_key(name), new.encode(), v.version) is not None:
+                return new
+        raise ScrollError(f"topic {name!r}: the record kept changing; try again")
+
+    async def add_partitions(self, name: str, total: int) -> TopicMeta:
+        """Grow a topic to ``total`` partitions (partitions never shrink)."""
+        cur = await self.describe_topic(name)
+        if total <= cur.partitions or total > MAX_PARTITIONS:
+            raise InvalidArgument(f"topic {name!r} has {cur.partitions} partitions; cannot grow it to {total}")
+        first, _ = await self.cluster.ledgers.get_ledger(partition_stream(name, 0))
+        for p in range(cur.partitions, total):
+            await self._create_partition_stream(partition_stream(name, p), first.config, first.retention or None,
+                                                reuse=True)
+        if await self.cluster.store.get(topic_key(name)) is None:
+            await self.cluster.store.create(topic_key(name), cur.encode())
+        return await self.update_topic(name, lambda t: TopicMeta(t.name, max(t.partitions, total), t.topic_id,
+                                                                 t.configs))
+
+    async def delete_topic(self, name: str) -> None:
+        meta = await self.describe_topic(name)
+        await self.cluster.store.delete(topic_key(name))
+        for s in meta.streams():
+            try:
+                await self.cluster.ledgers.delete_ledger(s)
+            except NoSuchLedger:
+                pass
 
     async def describe_stream(self, name: str) -> StreamInfo:
         meta = await self._meta(name)
@@ -88,7 +190,11 @@ class ScrollClient:
         return await self.cluster.ledgers.list_ledgers()
 
     async def delete_stream(self, name: str) -> None:
+        """Delete one stream; a stream that is a whole one-partition topic takes its topic record along."""
         await self._meta(name)
+        v = await self.cluster.store.get(topic_key(name))
+        if v is not None and TopicMeta.decode(name, v.value).partitions == 1:
+            await self.cluster.store.delete(topic_key(name))
         await self.cluster.ledgers.delete_ledger(name)
 
     async def _meta(self, name: str) -> LedgerMeta:
@@ -99,7 +205,21 @@ class ScrollClient:
         return meta
 
     # ---------------------------------------------------------------- producers and consumers
-    async def producer(self, stream: str, options: ProducerOptions | None = None) -> Producer:
+    async def producer(self, stream: str, options: ProducerOptions | None = None) -> Producer | TopicProducer:
+        """The stream's one writer (a take-over). For a topic of several partitions, a
+        ``TopicProducer`` over all of them, partitioning by key as Kafka's default partitioner."""
+        if ":" not in stream:
+            v = await self.cluster.store.get(topic_key(stream))
+            if v is not None and (t := TopicMeta.decode(stream, v.value)).partitions > 1:
+                producers = []
+                try:
+                    for s in t.streams():
+                        producers.append(await self.producer(s, options))
+                except BaseException:
+                    for p in producers:
+                        await p.close()
+                    raise
+                return TopicProducer(t, producers)
         await self._meta(stream)
         driver = WriterDriver(self.cluster, stream, options)
         await driver.open()
@@ -112,7 +232,11 @@ class ScrollClient:
             raise
         return Producer(driver, self.cluster.max_entry_bytes, next_offset, options)
 
-    async def consumer(self, stream: str, start=EARLIEST, **options) -> Consumer:
+    async def consumer(self, stream: str, start=EARLIEST, *, partition: int | None = None, **options) -> Consumer:
+        """A consumer of one stream (``partition``: of that partition of the topic ``stream``),
+        starting at ``start``: "earliest", "latest" or a record offset."""
+        if partition is not None:
+            stream = partition_stream(stream, partition)
         meta = await self._meta(stream)
         c = Consumer(self.cluster, meta, **options)
         await c.start_at(start)

@@ -15,6 +15,14 @@ class StreamExists(ScrollError):
     pass
 
 
+class NoSuchTopic(NoSuchStream):
+    pass
+
+
+class TopicExists(StreamExists):
+    pass
+
+
 class InvalidArgument(ScrollError):
     pass
 

@@ -55,7 +55,8 @@ class SyncProducer:
     def term(self) -> int:
         return self._p.term
 
-    def append(self, value: bytes, key: bytes | None = None, headers=None, timestamp_ms: int | None = None) -> int:
+    def append(self, value: bytes, key: bytes | None = None, headers=None, timestamp_ms: int | None = None):
+        """The record's offset (a stream), or (partition, offset) (a topic of several partitions)."""
         return self._loop.run(self._p.append(value, key, headers, timestamp_ms))
 
     def append_many(self, records) -> list[int]:
@@ -126,6 +127,21 @@ class SyncClient:
     def delete_stream(self, name: str) -> None:
         self._loop.run(self._c.delete_stream(name))
 
+    def create_topic(self, name: str, partitions: int = 1, configs=None, **kw):
+        return self._loop.run(self._c.create_topic(name, partitions, configs, **kw))
+
+    def describe_topic(self, name: str):
+        return self._loop.run(self._c.describe_topic(name))
+
+    def list_topics(self):
+        return self._loop.run(self._c.list_topics())
+
+    def delete_topic(self, name: str) -> None:
+        self._loop.run(self._c.delete_topic(name))
+
+    def add_partitions(self, name: str, total: int):
+        return self._loop.run(self._c.add_partitions(name, total))
+
     def live_bookies(self):
         return self._loop.run(self._c.live_bookies())
 
@@ -134,6 +150,14 @@ class SyncClient:
 
     def consumer(self, stream: str, start=EARLIEST, **options) -> SyncConsumer:
         return SyncConsumer(self._loop, self._loop.run(self._c.consumer(stream, start, **options)))
+
+    @property
+    def aclient(self) -> aclient.ScrollClient:
+        """The async client underneath (its coroutines run on ``run``)."""
+        return self._c
+
+    def run(self, coro, timeout: float | None = None):
+        return self._loop.run(coro, timeout)
 
     def close(self) -> None:
         try:
