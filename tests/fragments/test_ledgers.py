@@ -54,7 +54,7 @@ def test_create_and_get(store: MetadataStore, run):
         assert await ls.get_ledger("orders") == (meta, version)
         assert await ls.get_ledger(meta.ledger_id) == (meta, version)
         frag0 = await ls.get_fragment(meta.ledger_id, 0)
-        assert frag0 == Fragment(index=0, first_entry_id=0, ensemble=ENSEMBLE, created_term=0)
+        assert frag0 == Fragment(index=0, first_entry_id=0, ensemble=ENSEMBLE, created_term=0, first_offset=0)
         # the documented key layout
         assert (await store.get(by_name_key("orders"))).value == str(meta.ledger_id).encode()
         assert (await store.get(f"/scroll/ledgers/{meta.ledger_id:012d}/meta")).version == version
