@@ -193,3 +193,28 @@ def test_inconclusive_recovery_read_aborts_and_conflicting_take_over_aborts():
     c.run(w3, w3.start())
     c.run(w4, w4.start())
     assert w3.phase is Phase.OPEN and w4.phase is Phase.ABORTED
+
+
+def test_new_fragments_record_the_first_record_offset_the_caller_gave():
+    """Rollover and an ensemble change record the record offset of the new fragment's first entry
+    (the caller formats entries and gives each one's offsets; the writer never parses payloads)."""
+    cfg = LedgerConfig(ensemble_size=3, write_quorum=3, ack_quorum=2, fragment_entries_max=4)
+    c = Cluster(n=6, config=cfg)
+    w = c.open_writer()
+    starts = {}
+    offset = 0
+    for i in range(10):
+        count = i + 1  # entry i holds i + 1 records
+        eid, cmds = w.append(b"v%d" % i, (offset, offset + count))
+        c.run(w, cmds)
+        starts[eid] = offset
+        offset += count
+    c.fail = {c.fragments[c.ledger.last_fragment_index].ensemble[0]}
+    eid, cmds = w.append(b"after failure", (offset, offset + 1))
+    c.run(w, cmds)
+    starts[eid] = offset
+    frags = [c.fragments[i] for i in range(c.ledger.last_fragment_index + 1)]
+    assert len(frags) >= 4
+    assert frags[0].first_offset is None  # the harness's first fragment predates offsets
+    for f in frags[1:]:
+        assert f.first_offset == starts[f.first_entry_id], f
