@@ -205,16 +205,20 @@ class ScrollClient:
         return meta
 
     # ---------------------------------------------------------------- producers and consumers
-    async def producer(self, stream: str, options: ProducerOptions | None = None) -> Producer | TopicProducer:
+    async def producer(self, stream: str, options: ProducerOptions | None = None, *,
+                       partition: int | None = None) -> Producer | TopicProducer:
         """The stream's one writer (a take-over). For a topic of several partitions, a
-        ``TopicProducer`` over all of them, partitioning by key as Kafka's default partitioner."""
-        if ":" not in stream:
+        ``TopicProducer`` over all of them, partitioning by key as Kafka's default partitioner;
+        ``partition``: the writer of that one partition of the topic ``stream``."""
+        if partition is not None:
+            stream = partition_stream(stream, partition)
+        elif ":" not in stream:
             v = await self.cluster.store.get(topic_key(stream))
             if v is not None and (t := TopicMeta.decode(stream, v.value)).partitions > 1:
                 producers = []
                 try:
-                    for s in t.streams():
-                        producers.append(await self.producer(s, options))
+                    for p in range(t.partitions):
+                        producers.append(await self.producer(stream, options, partition=p))
                 except BaseException:
                     for p in producers:
                         await p.close()
