@@ -506,7 +506,7 @@ async def tail_child(args: argparse.Namespace) -> int:
             recs = await consumer.read(1000, timeout_s=0.5)
             now = time.time()
             for r in recs:
-                positions.append(r.position)
+                positions.append(r.offset)
                 times.append(now)
         await client.close()
     else:

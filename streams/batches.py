@@ -173,12 +173,14 @@ class BatchBuilder:
     """Records accumulating into one batch (aiokafka's builder); ``build`` gives the batch bytes
     with its base offset set."""
 
-    __slots__ = ("_b", "count", "first_ts")
+    __slots__ = ("_b", "count", "raw_append")
 
     def __init__(self, compression: int, batch_bytes: int):
         self._b = DefaultRecordBatchBuilder(2, compression, 0, -1, -1, -1, batch_bytes)
         self.count = 0
-        self.first_ts = 0
+        # aiokafka's append(offset delta, timestamp, key, value, headers) -> None when full; a
+        # caller using it directly keeps ``count`` right itself
+        self.raw_append = self._b.append
 
     def append(self, value, key, headers, timestamp_ms: int | None) -> bool:
         """Add a record; False when the batch is full (the first record always fits)."""

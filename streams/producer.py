@@ -37,6 +37,7 @@ class _Sealed:
     base: int
     end: int
     fut: asyncio.Future
+    record_futs: list | None = None  # (index, future) of records appended with append_future
 
 
 class Producer:
@@ -54,6 +55,8 @@ class Producer:
         self._loop = asyncio.get_running_loop()
         self._open: BatchBuilder | None = None
         self._open_fut: asyncio.Future | None = None
+        self._open_rfuts: list = []
+        self._sent: dict[int, _Sealed] = {}  # handed to the writer, not yet acknowledged
         self._opened_at = 0.0
         self._ready: collections.deque[_Sealed] = collections.deque()
         self._ready_bytes = 0
@@ -83,17 +86,19 @@ class Producer:
     async def append(self, value: bytes, key: bytes | None = None, headers=None,
                      timestamp_ms: int | None = None) -> int:
         """Append one record; returns its offset once acknowledged (in order, at AQ)."""
-        await self._wait_for_space()
+        if not self._has_space():
+            await self._wait_for_space()
         fut, i = self._add(value, key, headers, timestamp_ms)
         return await fut + i
 
     async def append_future(self, value: bytes, key: bytes | None = None, headers=None,
                             timestamp_ms: int | None = None) -> asyncio.Future:
         """Queue one record (waiting only for buffer space); the future resolves to its offset."""
-        await self._wait_for_space()
-        fut, i = self._add(value, key, headers, timestamp_ms)
+        if not self._has_space():
+            await self._wait_for_space()
+        _, i = self._add(value, key, headers, timestamp_ms)
         out = self._loop.create_future()
-        fut.add_done_callback(lambda f: _resolve(out, f, i))
+        self._open_rfuts.append((i, out))  # resolved directly on acknowledgement (no callback each)
         return out
 
     async def append_many(self, records) -> list[int]:
@@ -101,25 +106,62 @@ class Producer:
         value (bytes), a tuple ``(value, key, headers, timestamp_ms)`` (trailing items optional),
         or a dict with those keys."""
         parts: list[tuple[asyncio.Future, int, int]] = []  # (batch future, first index, count)
+        run: list = []  # consecutive plain values go through the fast path together
         for r in records:
+            if isinstance(r, (bytes, bytearray)):
+                run.append(r)
+                continue
+            if run:
+                await self._add_values(run, parts)
+                run = []
             if not self._has_space():
                 await self._wait_for_space()
-            if isinstance(r, (bytes, bytearray, memoryview)):
-                fut, i = self._add(r, None, None, None)
-            elif isinstance(r, dict):
+            if isinstance(r, dict):
                 fut, i = self._add(r["value"], r.get("key"), r.get("headers"), r.get("timestamp_ms"))
             else:
                 fut, i = self._add(*r)
-            if parts and parts[-1][0] is fut:
-                f, first, n = parts[-1]
-                parts[-1] = (f, first, n + 1)
-            else:
-                parts.append((fut, i, 1))
+            _note(parts, fut, i, 1)
+        if run:
+            await self._add_values(run, parts)
         out: list[int] = []
         for fut, first, n in parts:
             base = await fut
             out.extend(range(base + first, base + first + n))
         return out
+
+    async def _add_values(self, values: list, parts: list) -> None:
+        """The hot loop of ``append_many`` for plain values: the builder's append called directly,
+        one timestamp for the call, a batch sealed whenever it fills."""
+        limit = self._max_record
+        for v in values:
+            if len(v) > limit:
+                raise PayloadTooLarge(f"record of {len(v)} bytes is over the {self.max_entry_bytes}-byte entry limit")
+        ts = int(time.time() * 1000)
+        no_headers: list = []
+        k, n = 0, len(values)
+        while k < n:
+            if self._failure is not None:
+                raise self._failure
+            if not self._has_space():
+                await self._wait_for_space()
+            b = self._open if self._open is not None else self._new_batch()
+            app = b.raw_append
+            i = first = b.count
+            while k < n:
+                if app(i, ts, None, values[k], no_headers) is None:
+                    if i == 0:  # the first record always fits; the builder says so by not failing
+                        raise AssertionError("an empty batch refused a record")
+                    break
+                i += 1
+                k += 1
+            b.count = i
+            _note(parts, self._open_fut, first, i - first)
+            if k < n or b.size() >= self._batch_bytes:
+                self._seal()
+                self._pump()
+            elif not self._idle_scheduled:
+                self._idle_scheduled = True
+                self._loop.call_soon(self._on_idle)
 
     def append_batch(self, batch: bytes | bytearray) -> tuple[int, asyncio.Future]:
         """Queue a record batch built elsewhere (the Kafka listener stores produce batches as they
@@ -211,8 +253,9 @@ class Producer:
             return
         base = self.next_offset
         self.next_offset = base + b.count
-        self._queue(_Sealed(b.build(base), base, base + b.count, self._open_fut))
+        self._queue(_Sealed(b.build(base), base, base + b.count, self._open_fut, self._open_rfuts or None))
         self._open = self._open_fut = None
+        self._open_rfuts = []
 
     def _queue(self, s: _Sealed) -> None:
         self._ready.append(s)
@@ -253,30 +296,41 @@ class Producer:
             self._ready.popleft()
             self._ready_bytes -= len(s.data)
             self._inflight += 1
+            self._sent[id(s)] = s
             efut.add_done_callback(lambda f, s=s: self._acked(s, f))
         if self._has_space():
             self._space.set()
 
     def _acked(self, s: _Sealed, efut: asyncio.Future) -> None:
         self._inflight -= 1
+        self._sent.pop(id(s), None)
         if efut.cancelled() or efut.exception() is not None:
-            self._fail(efut.exception() if not efut.cancelled() else asyncio.CancelledError())
+            self._fail(efut.exception() if not efut.cancelled() else asyncio.CancelledError(), s)
             return
         if not s.fut.done():
             s.fut.set_result(s.base)
+        if s.record_futs:
+            base = s.base
+            for i, f in s.record_futs:
+                if not f.done():
+                    f.set_result(base + i)
         while self._unacked and self._unacked[0].done():
             self._unacked.popleft()
         if not self._ready and self._open is not None and self._open.count and not self._idle_scheduled:
             self._seal()  # what accumulated while the window was full goes out now
         self._pump()
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, failed: _Sealed | None = None) -> None:
         if self._failure is None:
             self._failure = exc
         self._seal()
         for s in self._ready:
             if not s.fut.done():
                 s.fut.set_exception(self._failure)
+        for s in [*self._sent.values(), *self._ready, *([failed] if failed is not None else [])]:
+            for _, f in s.record_futs or ():
+                if not f.done():
+                    f.set_exception(self._failure)
         for f in self._unacked:
             if not f.done():
                 f.set_exception(self._failure)
@@ -299,12 +353,11 @@ class Producer:
             raise self._failure
 
 
-def _resolve(out: asyncio.Future, batch: asyncio.Future, i: int) -> None:
-    if out.done():
+def _note(parts: list, fut: asyncio.Future, first: int, n: int) -> None:
+    if not n:
         return
-    if batch.cancelled():
-        out.cancel()
-    elif batch.exception() is not None:
-        out.set_exception(batch.exception())
+    if parts and parts[-1][0] is fut:
+        f, start, m = parts[-1]
+        parts[-1] = (f, start, m + n)
     else:
-        out.set_result(batch.result() + i)
+        parts.append((fut, first, n))

@@ -53,7 +53,10 @@ def test_produce_consume_take_over_in_process(tmp_path):
             p2 = await client.producer("s")  # take-over: learns the next offset from the log
             assert p2.term == p1.term + 1 and p2.next_offset == 200
             with pytest.raises(StaleTermError):
-                await p1.append(b"late")
+                late = await p1.append_future(b"late")  # raises here, or its future fails
+                await late
+            with pytest.raises(StaleTermError):
+                await p1.append(b"later")
             assert await p2.append(b"b", timestamp_ms=5000) == 200
             assert await p2.append_many([b"c", (b"d", b"key", {"h": b"v"}, 6000)]) == [201, 202]
             c = await client.consumer("s", start="earliest")
