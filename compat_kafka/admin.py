@@ -1,8 +1,10 @@
 """Admin APIs: DescribeConfigs, AlterConfigs, IncrementalAlterConfigs, CreatePartitions, DescribeCluster.
 
-How this works. A topic's configs are the ``configs`` map of its metadata record
-``kafka/topics/<topic>`` (JSON; written by CreateTopics and the alter APIs with a compare-and-set on
-the record's version, keeping every other field of the record as it is). Names are checked against
+How this works. A topic's configs are the ``configs`` map of its topic record
+``/scroll/topics/<topic>`` (``streams/topics.py``, shared with the streams API; written by
+CreateTopics and the alter APIs with ``ScrollClient.update_topic``, a compare-and-set that keeps
+every other field of the record as it is; a stream created alone gets its record on the first
+alter). Names are checked against
 Kafka's topic config names and values against their type; an unknown name or a bad value is
 INVALID_CONFIG and nothing is written. Two settings take effect, the others are stored and reported:
 
@@ -15,32 +17,29 @@ INVALID_CONFIG and nothing is written. Two settings take effect, the others are 
 
 DescribeConfigs answers a topic's stored configs (source DYNAMIC_TOPIC_CONFIG) over the defaults
 (DEFAULT_CONFIG: no retention limit, as a stream has none unless asked), and the broker resource's
-settings of this shim (read-only, STATIC_BROKER_CONFIG). CreatePartitions grows a topic: the new
-partitions' streams are created (a leftover stream is reused), given the topic's retention, and only
-then is the record's partition count raised, so a reader of the record never sees a partition
-without a stream; shrinking, or asking for the current count, is INVALID_PARTITIONS. DescribeCluster
+settings of this shim (read-only, STATIC_BROKER_CONFIG). CreatePartitions grows a topic with
+``ScrollClient.add_partitions``: the new partitions' streams are created (a leftover stream is
+reused) and only then is the record's partition count raised, so a reader of the record never sees
+a partition without a stream; the topic's retention is then written to the new streams; shrinking, or asking for the current count, is INVALID_PARTITIONS. DescribeCluster
 names this shim, controller included.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 from collections.abc import Callable
 
 from kio.schema.errors import ErrorCode
 
 from fragments.ledgers import NoSuchLedger
-from streams.errors import StreamExists
+from streams.errors import NoSuchTopic
+from streams.topics import TopicMeta, partition_stream, topic_key
 
 from . import codec
 from .codec import ZERO_MS, build, nested
 from .errors import InvalidPartitions, InvalidRequest, KafkaError, UnknownTopicOrPartition, code_for
 
 log = logging.getLogger(__name__)
-
-TOPIC_KEY_PREFIX = "kafka/topics/"  # as broker.TOPIC_KEY_PREFIX (no import: the broker imports us)
 
 RESOURCE_TOPIC = 2
 RESOURCE_BROKER = 4
@@ -49,7 +48,7 @@ SOURCE_STATIC_BROKER = 4
 SOURCE_DEFAULT = 5
 T_BOOLEAN, T_STRING, T_INT, T_SHORT, T_LONG, T_DOUBLE, T_LIST = 1, 2, 3, 4, 5, 6, 7
 OP_SET, OP_DELETE, OP_APPEND, OP_SUBTRACT = 0, 1, 2, 3
-ENTRY_OVERHEAD = 13  # batches.ENTRY_HEAD_BYTES: what the shim puts before a batch in an entry
+ENTRY_OVERHEAD = 1  # the entry envelope byte in front of the stored batch
 
 
 class InvalidConfig(KafkaError):
@@ -148,30 +147,34 @@ class Admin:
         }
 
     # ------------------------------------------------------------ topic records
-    async def _topic_record(self, name: str) -> tuple[dict, int]:
-        v = await self.store.get(TOPIC_KEY_PREFIX + name)
-        if v is None:
-            raise UnknownTopicOrPartition(f"unknown topic {name!r}")
-        return json.loads(v.value), v.version
+    async def _topic_record(self, name: str) -> TopicMeta:
+        """The topic's record; a stream created alone (no record yet) gets one now, so that its
+        configs and partition count can be changed like any topic's."""
+        try:
+            meta = await self.client.describe_topic(name)
+        except NoSuchTopic:
+            raise UnknownTopicOrPartition(f"unknown topic {name!r}") from None
+        if await self.store.get(topic_key(name)) is None:
+            await self.store.create(topic_key(name), meta.encode())  # lost to a concurrent create: fine
+        return meta
 
-    async def _update_topic(self, name: str, change: Callable[[dict], dict | None], validate_only: bool) -> dict:
-        """Read-modify-CAS the topic record. ``change`` returns the new record (or raises); the record
-        written keeps every field ``change`` did not touch. Returns the new record."""
-        for _ in range(20):
-            rec, version = await self._topic_record(name)
-            new = change(dict(rec))
-            if validate_only or new == rec:
-                return new
-            if await self.store.cas(TOPIC_KEY_PREFIX + name, json.dumps(new).encode(), version) is not None:
-                return new
-        raise PolicyViolation(f"topic {name!r} changed concurrently too often; try again")
+    async def _update_topic(self, name: str, change: Callable[[TopicMeta], TopicMeta],
+                            validate_only: bool) -> TopicMeta:
+        """Compare-and-set the topic record: ``change`` returns the new record (or raises)."""
+        cur = await self._topic_record(name)
+        if validate_only:
+            return change(cur)
+        try:
+            return await self.client.update_topic(name, change)
+        except NoSuchTopic:
+            raise UnknownTopicOrPartition(f"unknown topic {name!r}") from None
 
     async def apply_retention(self, topic: str, partitions: range | list[int], configs: dict[str, str]) -> None:
         """Write the topic's retention policy into each partition stream's meta (CAS on ``retention`` only)."""
         policy = retention_policy(configs)
         ledgers = self.client.cluster.ledgers
         for p in partitions:
-            stream = f"{topic}-{p}"
+            stream = partition_stream(topic, p)
             for _ in range(50):
                 try:
                     meta, version = await ledgers.get_ledger(stream)
@@ -234,8 +237,7 @@ class Admin:
             rows: list = []
             try:
                 if r.resource_type == RESOURCE_TOPIC:
-                    rec, _ = await self._topic_record(r.resource_name)
-                    stored = dict(rec.get("configs", {}))
+                    stored = dict((await self._topic_record(r.resource_name)).configs)
                     entries = {k: (v, t, SOURCE_DEFAULT, False) for k, (v, t) in self._topic_defaults().items()}
                     for k, v in stored.items():
                         entries[k] = (v, TOPIC_CONFIG_TYPES.get(k, T_STRING), SOURCE_DYNAMIC_TOPIC, False)
@@ -262,13 +264,12 @@ class Admin:
     # ------------------------------------------------------------ AlterConfigs / IncrementalAlterConfigs
     async def _alter_topic(self, name: str, edit: Callable[[dict[str, str]], dict[str, str]],
                            validate_only: bool) -> None:
-        def change(rec: dict) -> dict:
-            rec["configs"] = check_topic_configs(edit(dict(rec.get("configs", {}))))
-            return rec
+        def change(t: TopicMeta) -> TopicMeta:
+            return TopicMeta(t.name, t.partitions, t.topic_id, check_topic_configs(edit(dict(t.configs))))
 
         new = await self._update_topic(name, change, validate_only)
         if not validate_only:
-            await self.apply_retention(name, range(int(new["partitions"])), new["configs"])
+            await self.apply_retention(name, range(new.partitions), new.configs)
 
     async def _alter(self, req, resp_cls, edit_for):
         result_cls = nested(resp_cls, "AlterConfigsResourceResponse")
@@ -320,8 +321,8 @@ class Admin:
 
     # ------------------------------------------------------------ CreatePartitions
     async def grow_topic(self, name: str, count: int, assignments, validate_only: bool) -> None:
-        rec, _ = await self._topic_record(name)
-        current = int(rec["partitions"])
+        rec = await self._topic_record(name)
+        current = rec.partitions
         limit = self.broker.config.max_partitions
         if count < current:
             raise InvalidPartitions(f"topic {name!r} has {current} partitions; they cannot be reduced to {count}")
@@ -333,22 +334,10 @@ class Admin:
             raise InvalidReplicaAssignment(f"{len(assignments)} assignments for {count - current} new partitions")
         if validate_only:
             return
-        c = self.broker.config
-        configs = dict(rec.get("configs", {}))
-        for p in range(current, count):
-            # a stream left over by an interrupted create or delete is reused
-            with contextlib.suppress(StreamExists):
-                await self.client.create_stream(f"{name}-{p}", c.ensemble, c.write_quorum, c.ack_quorum)
-        await self.apply_retention(name, range(current, count), configs)
-
-        def change(rec: dict) -> dict:
-            if int(rec["partitions"]) != current:
-                raise InvalidPartitions(f"topic {name!r} changed to {rec['partitions']} partitions meanwhile")
-            rec["partitions"] = count
-            return rec
-
-        await self._update_topic(name, change, False)
-        log.info("topic=%s grown from %d to %d partitions", name, current, count)
+        # streams first (leftovers reused), then the record's count: never a partition without a stream
+        grown = await self.client.add_partitions(name, count)
+        await self.apply_retention(name, range(current, grown.partitions), dict(grown.configs))
+        log.info("topic=%s grown from %d to %d partitions", name, current, grown.partitions)
 
     async def create_partitions(self, req, resp_cls):
         result_cls = nested(resp_cls, "CreatePartitionsTopicResult")

@@ -1,9 +1,12 @@
 """The request handlers: Kafka APIs answered from Scroll streams.
 
 How this works. ``Broker.handle`` takes a decoded request and returns the kio response body (or
-None for an acks=0 produce, which gets no answer). Topics live in the metadata store under
-``kafka/topics/<name>`` (JSON: partitions, topic id, configs); partition ``p`` of topic ``t`` is
-the stream ``t-p``. Partitions are opened on first use (``PartitionLog.open``, a take-over), kept
+None for an acks=0 produce, which gets no answer). Topics are the streams API's topics
+(``streams/topics.py``): one record per topic at ``/scroll/topics/<name>`` (partitions, topic id,
+configs), shared with ``ScrollClient.create_topic`` and ``scroll topic``; partition ``p`` of topic
+``t`` is the stream ``partition_stream(t, p)`` (``t`` itself for partition 0, ``t:p`` after), and a
+stream created alone with the Python API is a one-partition topic of its own name, listed in
+Metadata like any other. Partitions are opened on first use (``PartitionLog.open``, a take-over), kept
 open, and re-opened after their writer fails. Fetch long-polls on this shim's own appends: the
 shim is the only writer of every partition it serves, so an acknowledged append is what moves a
 high watermark.
@@ -22,19 +25,17 @@ import asyncio
 import contextlib
 import functools
 import itertools
-import json
 import logging
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from kio.schema.errors import ErrorCode
 
-from streams.errors import NoSuchStream, StreamExists
+from streams.errors import NoSuchTopic, TopicExists
+from streams.topics import InvalidTopicName, TopicMeta, check_topic_name
 
 from . import codec
-from .admin import Admin, check_topic_configs
+from .admin import Admin, check_topic_configs, retention_policy
 from .batches import split_batches
 from .codec import ZERO_MS, build, nested
 from .errors import (
@@ -52,16 +53,13 @@ from .errors import (
 )
 from .groups import GroupConfig, GroupCoordinator
 from .ownership import OWNERS, Ownership, coordinator_key, partition_key
-from .partition import PartitionConfig, PartitionLog, stream_name
+from .partition import PartitionConfig, PartitionLog
 from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
 
 log = logging.getLogger(__name__)
 
 # kio resolves a schema through importlib on every call (~3% of the shim's CPU under produce load)
 _response_schema = functools.lru_cache(maxsize=None)(codec.response_schema)
-
-TOPIC_KEY_PREFIX = "kafka/topics/"
-_TOPIC_NAME = re.compile(r"^[a-zA-Z0-9._-]{1,200}$")
 
 
 @dataclass(frozen=True)
@@ -98,23 +96,6 @@ class BrokerConfig:
             raise ValueError("lease_ttl_s must be at least 1 s")
         if self.node_id is not None and not 0 <= self.node_id < 2**31:
             raise ValueError(f"node_id must be 0..2**31-1, not {self.node_id}")
-
-
-@dataclass(frozen=True)
-class TopicMeta:
-    name: str
-    partitions: int
-    topic_id: uuid.UUID
-    configs: dict[str, str]
-
-    def encode(self) -> bytes:
-        return json.dumps({"partitions": self.partitions, "topic_id": str(self.topic_id),
-                           "configs": self.configs}).encode()
-
-    @classmethod
-    def decode(cls, name: str, raw: bytes) -> TopicMeta:
-        d = json.loads(raw)
-        return cls(name, int(d["partitions"]), uuid.UUID(d["topic_id"]), dict(d.get("configs", {})))
 
 
 class Broker:
@@ -186,43 +167,47 @@ class Broker:
 
     # ---------------------------------------------------------------- topics and partitions
     async def topic(self, name: str) -> TopicMeta | None:
-        v = await self.store.get(TOPIC_KEY_PREFIX + name)
-        return TopicMeta.decode(name, v.value) if v else None
+        """The topic (a stream without a topic record is a one-partition topic), or None."""
+        try:
+            return await self.client.describe_topic(name)
+        except NoSuchTopic:
+            return None
 
     async def topics(self) -> list[TopicMeta]:
-        rows = await self.store.list_prefix(TOPIC_KEY_PREFIX)
-        return [TopicMeta.decode(k[len(TOPIC_KEY_PREFIX):], v.value) for k, v in rows]
+        return await self.client.list_topics()
 
     async def create_topic(self, name: str, partitions: int, configs: dict[str, str],
                            validate_only: bool = False) -> TopicMeta:
-        if not _TOPIC_NAME.match(name) or name in (".", ".."):
-            raise InvalidTopic(f"invalid topic name {name!r} (1-200 of [a-zA-Z0-9._-])")
+        try:
+            check_topic_name(name)
+        except InvalidTopicName as exc:
+            raise InvalidTopic(str(exc)) from None
         if not 1 <= partitions <= self.config.max_partitions:
             raise InvalidPartitions(f"partitions must be 1..{self.config.max_partitions}, not {partitions}")
         if await self.topic(name) is not None:
             raise TopicAlreadyExists(f"topic {name!r} already exists")
-        meta = TopicMeta(name, partitions, uuid.uuid4(), check_topic_configs(configs))  # InvalidConfig
+        configs = check_topic_configs(configs)  # InvalidConfig
         if validate_only:
-            return meta
+            return TopicMeta(name, partitions, configs=configs)
         c = self.config
-        for p in range(partitions):
-            # a stream left over by an interrupted create or delete is reused
-            with contextlib.suppress(StreamExists):
-                await self.client.create_stream(stream_name(name, p), c.ensemble, c.write_quorum, c.ack_quorum)
-        await self.admin.apply_retention(name, range(partitions), meta.configs)  # retention.ms/bytes -> streams
-        if await self.store.create(TOPIC_KEY_PREFIX + name, meta.encode()) is None:
-            raise TopicAlreadyExists(f"topic {name!r} already exists")
+        try:
+            # partition streams left over by an interrupted create or delete are reused
+            meta = await self.client.create_topic(name, partitions, configs, ensemble=c.ensemble,
+                                                  write_quorum=c.write_quorum, ack_quorum=c.ack_quorum,
+                                                  retention=retention_policy(configs) or None, reuse_streams=True)
+        except TopicExists as exc:
+            raise TopicAlreadyExists(str(exc)) from None
+        await self.admin.apply_retention(name, range(partitions), configs)  # reused streams too
         log.info("topic=%s created with %d partitions", name, partitions)
         return meta
 
     async def delete_topic(self, meta: TopicMeta) -> None:
-        await self.store.delete(TOPIC_KEY_PREFIX + meta.name)
         for p in range(meta.partitions):
             plog = self._logs.pop((meta.name, p), None)
             if plog is not None:
                 await plog.close()
-            with contextlib.suppress(NoSuchStream):
-                await self.client.delete_stream(stream_name(meta.name, p))
+        with contextlib.suppress(NoSuchTopic):
+            await self.client.delete_topic(meta.name)
         for prefix in (f"{OWNERS}{meta.name}/", f"{PRODUCER_STATE_PREFIX}{meta.name}/"):
             for k, _ in await self.store.list_prefix(prefix):
                 self.ownership.held.discard(k)
@@ -475,7 +460,7 @@ class Broker:
                 try:
                     plog = await self.partition(t.name, p.partition_index)
                     if p.timestamp in (-2, -4, -5):  # earliest, earliest-local, earliest-pending-upload
-                        offset = plog.log_start
+                        offset = await plog.refresh_log_start()
                     elif p.timestamp < 0:  # -1 latest, -3 max timestamp: the high watermark
                         offset = plog.high_watermark
                     else:

@@ -11,16 +11,19 @@ from __future__ import annotations
 from kio.schema.errors import ErrorCode
 
 from fragments.store import MetadataUnavailable
+from streams.batches import RecordFormatError
 from streams.errors import (
     DataRemovedError,
     InvalidArgument,
     NoBookiesAvailable,
     NoSuchStream,
+    NoSuchTopic,
     PayloadTooLarge,
     ReadFailedError,
     StaleTermError,
     StreamExists,
     TakeOverFailed,
+    TopicExists,
     WriterWithdrawn,
 )
 
@@ -136,7 +139,9 @@ ERROR_CLASSES: dict[ErrorCode, type[KafkaError]] = {
 # problems become NOT_LEADER_OR_FOLLOWER so the client refreshes metadata and retries.
 SCROLL_ERRORS: dict[type[Exception], type[KafkaError]] = {
     NoSuchStream: UnknownTopicOrPartition,
+    NoSuchTopic: UnknownTopicOrPartition,
     StreamExists: TopicAlreadyExists,
+    TopicExists: TopicAlreadyExists,
     PayloadTooLarge: MessageTooLarge,
     InvalidArgument: InvalidRequest,
     StaleTermError: NotLeaderOrFollower,
@@ -146,6 +151,7 @@ SCROLL_ERRORS: dict[type[Exception], type[KafkaError]] = {
     DataRemovedError: OffsetOutOfRange,
     ReadFailedError: KafkaStorageError,
     MetadataUnavailable: RequestTimedOut,
+    RecordFormatError: CorruptMessage,  # a stream entry that is not a record batch: refused, not served
 }
 
 

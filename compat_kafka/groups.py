@@ -47,9 +47,9 @@ that ``assign`` partitions). Only the shim that coordinates a group (``Broker.is
 serves it; the others answer NOT_COORDINATOR.
 
 ``retention_floor(client, meta)`` (entry point ``scroll.retention_floors``) tells the retention job
-the lowest stream position any group still needs on a Kafka partition's stream: the entry holding
-the lowest committed offset. It runs anywhere (not only on the shim owning the partition): it reads
-the committed offsets from the store and binary-searches the stream's entries for the offset.
+the lowest record offset any group still needs on a partition's stream: the lowest committed offset
+(Kafka offsets are the streams' record offsets). It runs anywhere (not only on the shim owning the
+partition) and reads only the committed offsets in the metadata store, never the stream.
 """
 
 from __future__ import annotations
@@ -68,17 +68,15 @@ from urllib.parse import quote, unquote
 
 from kio.schema.errors import ErrorCode
 
-from streams.consumer import EARLIEST
+from streams.topics import TopicMeta, stream_partition, topic_key
 
 from . import codec
 from .codec import ZERO_MS, build, nested
 from .errors import code_for
-from .partition import next_batch, search_offset
 
 log = logging.getLogger(__name__)
 
 GROUPS_PREFIX = "kafka/groups/"
-TOPIC_KEY_PREFIX = "kafka/topics/"  # as broker.TOPIC_KEY_PREFIX (no import: the broker imports us)
 
 EMPTY = "Empty"
 PREPARING = "PreparingRebalance"
@@ -1015,55 +1013,20 @@ def _store_error(exc: BaseException) -> ErrorCode:
 
 
 # ---------------------------------------------------------------- the retention floor
-class _Probe:
-    """Finds the entry of the batch holding a Kafka offset by binary search over a stream's entries
-    (read-only: works on any process, not just the shim owning the partition)."""
-
-    def __init__(self, reader: Any, last: int):
-        self.reader = reader
-        self.last = last  # the LAC
-        self.reads = 0
-
-    async def next_batch(self, first: int, last: int):
-        self.reads += 1
-        return await next_batch(self.reader, first, last)
-
-    async def entry_for(self, offset: int) -> int | None:
-        """The entry id of the batch holding ``offset``; the first retained Kafka entry when the
-        offset is below it; the last Kafka entry when the offset is at or past the end; None when
-        the stream has no Kafka entry."""
-        first = await self.next_batch(self.reader.earliest(), self.last)
-        if first is None:
-            return None
-        if offset < first.end_offset:
-            return first.entry_id
-        found, below = await search_offset(self.next_batch, first.entry_id, self.last + 1, offset)
-        return found.entry_id if found is not None else below  # past the end: keep the last batch
-
-
-def _kafka_partition(name: str) -> tuple[str, int] | None:
-    topic, sep, part = name.rpartition("-")
-    if not sep or not topic or not part.isdigit():
-        return None
-    return topic, int(part)
-
-
 async def retention_floor(client, meta) -> int | None:
-    """The lowest entry position of stream ``meta`` that must stay for Kafka: the entry holding the
-    lowest offset any group has committed for this partition, and never above the partition's
-    last Kafka batch (the shim recovers its next offset from it). None when the stream is not a
-    Kafka partition or holds no Kafka batch."""
-    tp = _kafka_partition(meta.name)
-    if tp is None:
-        return None
-    topic, partition = tp
+    """The lowest record offset of stream ``meta`` that must stay for Kafka consumer groups: the
+    lowest offset any group has committed for the topic partition the stream is
+    (``streams.topics.stream_partition``); None when no group committed one, or the stream is not a
+    partition of an existing topic. Retention keeps the fragment holding that offset and all after;
+    it never removes a stream's last fragment, so the writer can always recover its next offset."""
+    topic, partition = stream_partition(meta.name)
     cluster = getattr(client, "cluster", client)
-    store = cluster.store
-    topic_rec = await store.get(TOPIC_KEY_PREFIX + topic)
-    if topic_rec is None or not 0 <= partition < int(json.loads(topic_rec.value)["partitions"]):
+    rec = await cluster.store.get(topic_key(topic))
+    partitions = TopicMeta.decode(topic, rec.value).partitions if rec is not None else 1  # a stream alone: 1
+    if not 0 <= partition < partitions:
         return None
     lowest = None
-    for key, v in await store.list_prefix(GROUPS_PREFIX):
+    for key, v in await cluster.store.list_prefix(GROUPS_PREFIX):
         parsed = _parse_offset_key(key)
         if parsed is None or parsed[1] != topic or parsed[2] != partition:
             continue
@@ -1074,16 +1037,5 @@ async def retention_floor(client, meta) -> int | None:
             continue
         if offset >= 0 and (lowest is None or offset < lowest):
             lowest = offset
-    if lowest is None:
-        # No group needs anything, but the partition's last batch must stay: a shim reopening the
-        # partition recovers its next offset from it (with every batch gone it would restart at 0).
-        lowest = 1 << 62
-    from streams.consumer import Consumer
-
-    reader = Consumer(cluster, meta, max_read_entries=16)
-    await reader.start_at(EARLIEST)
-    last = await reader.end_position() - 1
-    probe = _Probe(reader, last)
-    eid = await probe.entry_for(lowest)
-    log.debug("stream=%s: lowest committed offset %d is in entry %s (%d reads)", meta.name, lowest, eid, probe.reads)
-    return eid
+    log.debug("stream=%s (topic %s partition %d): retention floor %s", meta.name, topic, partition, lowest)
+    return lowest

@@ -1,28 +1,32 @@
-"""One topic partition served by this shim: the stream ``<topic>-<partition>`` and its offsets.
+"""One topic partition served by this listener: the stream ``partition_stream(topic, p)``.
 
-How this works. Opening a partition opens the stream's producer, which is a take-over (a new
-term): from then on this shim is the only writer, so it keeps ``next_offset`` (the next Kafka
-offset to assign) in memory. On open it recovers ``next_offset`` from the last Kafka entry at or
-below the LAC (scanning back over the few no-op entries take-overs leave). Kafka offsets are dense:
-each batch takes ``offset_count`` offsets and no-ops take none, so take-overs leave no holes.
+How this works. Every stream holds the one log format (``streams/batches.py``): each data entry is
+one Kafka RecordBatch v2 whose baseOffset is the stream's record offset of its first record, and
+record offsets are dense from 0. A Kafka offset *is* that record offset, so nothing here keeps
+offsets of its own:
 
-The high watermark is the end offset of the last acknowledged entry (our own appends' futures
-resolve in order, so it is exact without asking a bookie); the log start is the base offset of
-the first retained Kafka entry. To find the entry holding a fetch offset, ``OffsetIndex`` keeps
-(entry id, base offset, end offset) points — every entry appended here, thinned when over its
-limit — and the gap between two points is binary-searched by reading single entries.
-
-Raw entries are read with ``RawReader``, a ``streams.consumer.Consumer`` whose replica selection,
-fail-over and fragment handling we reuse through ``Consumer.read_raw``.
+- Opening a partition opens the stream's ``Producer`` (a take-over, a new term); the producer is
+  the one writer and learns the next offset from the last batch at or below the LAC. A produce
+  batch (checked by ``compat_kafka.batches.split_batches``) is queued with
+  ``Producer.append_batch``, which assigns its base offset and writes it into the batch.
+- The high watermark is the end offset of the last acknowledged batch (the producer's futures
+  resolve in offset order, so it is exact without asking a bookie); the log start is the first
+  record offset retention kept (``Consumer.earliest_offset``: fragment metadata).
+- A Fetch finds the entry holding its offset with ``Consumer.locate`` (fragment first offsets, then
+  a binary search over entries; cached) — or, for a consumer reading on from where its last fetch
+  ended, from a small cursor table (end offset -> next entry id) with no search at all — and then
+  serves the stored batches byte for byte (the entry minus its envelope byte): no re-encoding,
+  no patching. An entry that is not a record batch is refused (``RecordFormatError``, answered as
+  CORRUPT_MESSAGE) rather than served.
 
 Idempotent producers (``compat_kafka.producer_ids``). Batches carrying a producer id are checked
 against the partition's producer state before they are queued; a retry of a stored batch is
 answered with its original base offset and not stored again. The state must survive a take-over,
 so it is rebuilt on open: from a snapshot of the *acknowledged* state, kept in its own metadata key
-``kafka/producer-state/<topic>/<partition>`` (JSON: stream id, entry id it is exact up to, term of
-the writer, producers), then by scanning the entries after the snapshot up to the LAC — each
-stored batch still carries producerId/epoch/baseSequence in its header. The owner rewrites the
-snapshot (compare-and-set) every ``snapshot_interval_s`` when entries were acknowledged, so the
+``kafka/producer-state/<topic>/<partition>`` (JSON: stream id, the record offset it is exact up to,
+term of the writer, producers), then by scanning the batches after that offset up to the LAC —
+each stored batch still carries producerId/epoch/baseSequence in its header. The owner rewrites the
+snapshot (compare-and-set) every ``snapshot_interval_s`` when batches were acknowledged, so the
 scan is short; a snapshot from a later term is never overwritten (we were taken over). The scan is
 bounded by ``max_state_scan_entries``; beyond that the state is marked incomplete (unknown
 producers are then accepted at any sequence, as Kafka does for producers without state). The
@@ -33,113 +37,62 @@ cannot disturb it.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streams.consumer import EARLIEST, Consumer
-from streams.errors import PayloadTooLarge, WriterWithdrawn
+from streams.batches import StoredBatch, records_of, stored_batch
+from streams.consumer import Consumer
+from streams.driver import ProducerOptions, WriterDriver
+from streams.errors import DataRemovedError, PayloadTooLarge, WriterWithdrawn
+from streams.offsets import next_batch, search_timestamp
+from streams.producer import Producer
+from streams.topics import partition_stream
 
-from .batches import Batch, StoredBatch, decode_entry, encode_entry, entry_parts
-from .errors import KafkaStorageError, OffsetOutOfRange, OutOfOrderSequenceNumber
+from .batches import Batch, increment_sequence
+from .errors import OffsetOutOfRange, OutOfOrderSequenceNumber
 from .producer_ids import BatchRecord, ProducerStateTable, StateSnapshot, in_sequence, state_key
 
 log = logging.getLogger(__name__)
-_I64 = struct.Struct(">q")
+
+# The listener only appends whole batches (``append_batch``): the producer's own batching is idle,
+# and in-flight entries are bounded by the writer's limits rather than a small batch window.
+LISTENER_PRODUCER = ProducerOptions(max_inflight_batches=100_000)
+_MAX_CURSORS = 4096
 
 
 @dataclass(frozen=True)
 class PartitionConfig:
-    max_index_points: int = 100_000
-    recovery_scan_entries: int = 64
     max_read_entries: int = 1000
     max_read_bytes: int = 8 << 20
-    snapshot_interval_s: float = 1.0  # producer-state snapshots (when entries were acknowledged since)
+    snapshot_interval_s: float = 1.0  # producer-state snapshots (when batches were acknowledged since)
     max_state_scan_entries: int = 200_000  # entries scanned on open to rebuild producer state
     max_producers: int = 10_000  # producer ids remembered per partition (least recently written go)
 
     def __post_init__(self):
-        if self.max_index_points < 16 or self.recovery_scan_entries < 1 or self.max_read_bytes < 1024:
+        if self.max_read_entries < 1 or self.max_read_bytes < 1024:
             raise ValueError(f"invalid partition config {self}")
         if self.snapshot_interval_s <= 0 or self.max_state_scan_entries < 1 or self.max_producers < 1:
             raise ValueError(f"invalid partition config {self}")
 
 
-def stream_name(topic: str, partition: int) -> str:
-    return f"{topic}-{partition}"
-
-
-class RawReader(Consumer):
-    """A consumer that hands back raw entries (envelope included) instead of decoded records."""
-
-    async def entries(self, first: int, last: int):
-        return await self.read_raw(first, last)
-
-
-async def next_batch(reader: Consumer, first: int, last: int) -> StoredBatch | None:
-    """The first Kafka entry in first..last (skipping no-ops), or None; reads 16 entries at a time."""
-    while first <= last:
-        for e in await reader.read_raw(first, min(last, first + 15)):
-            first = e.entry_id + 1
-            b = decode_entry(e.entry_id, e.data)
-            if b is not None:
-                return b
-    return None
-
-
-async def search_offset(next_batch_in, lo: int, hi: int, offset: int) -> tuple[StoredBatch | None, int]:
-    """Binary search for the batch holding ``offset`` among the entries strictly between ``lo``
-    and ``hi``, where every batch at or below ``lo`` ends at or below ``offset``: (the batch, or
-    None; the entry id of the last batch seen that ends at or below it, else ``lo``).
-    ``next_batch_in(first, last)`` is the first Kafka batch in first..last. O(log n) reads."""
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        b = await next_batch_in(mid, hi - 1)
-        if b is None or b.base_offset > offset:
-            hi = mid
-        elif offset < b.end_offset:
-            return b, lo
-        else:
-            lo = b.entry_id
-    return None, lo
-
-
-class OffsetIndex:
-    """Sorted (entry id, base offset, end offset) points, at most ``max_points`` of them."""
-
-    def __init__(self, max_points: int):
-        self.max_points = max_points
-        self.eids: list[int] = []
-        self.bases: list[int] = []
-        self.ends: list[int] = []
-
-    def add(self, b: StoredBatch | tuple[int, int, int]) -> None:
-        eid, base, end = (b.entry_id, b.base_offset, b.end_offset) if isinstance(b, StoredBatch) else b
-        i = bisect.bisect_left(self.eids, eid)
-        if i < len(self.eids) and self.eids[i] == eid:
-            return
-        self.eids.insert(i, eid)
-        self.bases.insert(i, base)
-        self.ends.insert(i, end)
-        if len(self.eids) > self.max_points:  # thin: keep every other point, and the last
-            last = (self.eids[-1], self.bases[-1], self.ends[-1])
-            self.eids, self.bases, self.ends = self.eids[::2], self.bases[::2], self.ends[::2]
-            if self.eids[-1] != last[0]:
-                self.eids.append(last[0])
-                self.bases.append(last[1])
-                self.ends.append(last[2])
-
-    def bracket(self, offset: int) -> tuple[int | None, int | None, bool]:
-        """(entry id of the last point with base <= offset, entry id of the first point with
-        base > offset, whether the lower point holds ``offset``)."""
-        i = bisect.bisect_right(self.bases, offset)
-        lo = self.eids[i - 1] if i > 0 else None
-        hi = self.eids[i] if i < len(self.eids) else None
-        holds = i > 0 and offset < self.ends[i - 1]
-        return lo, hi, holds
+async def open_stream_producer(client, stream: str, options: ProducerOptions | None = None,
+                               **reader_options) -> tuple[Producer, Consumer]:
+    """Take one stream over: its ``Producer`` (next offset recovered from the last batch at or below
+    the LAC) and a ``Consumer`` of it opened after the take-over. ``client.producer`` would hand
+    back a ``TopicProducer`` over every partition for partition 0 of a multi-partition topic (whose
+    stream has the topic's name); a partition is served on its own, so it is opened here."""
+    driver = WriterDriver(client.cluster, stream, options)
+    await driver.open()
+    try:
+        meta, _ = await client.cluster.ledgers.get_ledger(driver.ledger_id)
+        reader = Consumer(client.cluster, meta, **reader_options)
+        next_offset = await reader.offset_after(driver.writer.lac)
+    except BaseException:
+        await driver.close()
+        raise
+    return Producer(driver, client.cluster.max_entry_bytes, next_offset, options), reader
 
 
 class PartitionLog:
@@ -149,47 +102,45 @@ class PartitionLog:
         self.store = client.cluster.store
         self.topic = topic
         self.partition = partition
-        self.stream = stream_name(topic, partition)
+        self.stream = partition_stream(topic, partition)
         self.config = config
         self.on_append = on_append
-        self.producer = None
-        self.reader: RawReader | None = None
-        self.index = OffsetIndex(config.max_index_points)
-        self.next_offset = 0
+        self.producer: Producer | None = None
+        self.reader: Consumer | None = None
         self.high_watermark = 0
         self.log_start = 0
-        self.last_acked_entry = -1
         self.stream_id = -1
         self.failure: BaseException | None = None
         self._lock = asyncio.Lock()
+        self._cursors: dict[int, int] = {}  # end offset of a batch served -> the entry after it
         self.live_state = ProducerStateTable(config.max_producers)  # includes batches in flight
-        self.acked_state = ProducerStateTable(config.max_producers)  # exactly what is up to last_acked_entry
+        self.acked_state = ProducerStateTable(config.max_producers)  # exactly the batches below high_watermark
         self._snapshot_key = state_key(topic, partition)
         self._snapshot_version = 0
-        self._snapshot_entry = -1
+        self._snapshot_offset = -1
         self._snapshot_task: asyncio.Task | None = None
         self._snapshots_stopped = False
 
+    @property
+    def next_offset(self) -> int:
+        """The offset the next stored batch gets."""
+        return self.producer.next_offset if self.producer is not None else 0
+
     # ---------------------------------------------------------------- life cycle
     async def open(self) -> None:
-        self.producer = await self.client.producer(self.stream)
-        meta, _ = await self.client.cluster.ledgers.get_ledger(self.stream)
-        self.stream_id = meta.ledger_id
-        self.reader = RawReader(self.client.cluster, meta, max_read_entries=self.config.max_read_entries,
-                                max_read_bytes=self.config.max_read_bytes)
-        await self.reader.start_at(EARLIEST)
+        self.producer, self.reader = await open_stream_producer(
+            self.client, self.stream, LISTENER_PRODUCER, max_read_entries=self.config.max_read_entries,
+            max_read_bytes=self.config.max_read_bytes)
+        self.stream_id = self.producer.stream_id
         lac = self.producer.lac
-        self.last_acked_entry = lac
-        last, scanned = await self._rebuild_producer_state(lac)
-        if last is None:
-            last = await self._last_batch_at_or_below(lac - scanned)
-        self.next_offset = self.high_watermark = last.end_offset if last else 0
-        self.log_start = await self._first_offset()
+        self.high_watermark = self.producer.next_offset
+        self.log_start = await self.reader.earliest_offset()
+        scanned = await self._rebuild_producer_state(lac)
         self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshot_loop(),
                                                                      name=f"kafka-snapshots-{self.stream}")
         log.info("topic=%s partition=%d stream=%s term=%s open: LAC %d, offsets %d..%d, %d producers "
                  "(%d entries scanned)", self.topic, self.partition, self.stream, self.producer.term, lac,
-                 self.log_start, self.next_offset, len(self.acked_state.producers), scanned)
+                 self.log_start, self.high_watermark, len(self.acked_state.producers), scanned)
 
     async def close(self) -> None:
         if self._snapshot_task is not None:
@@ -201,15 +152,14 @@ class PartitionLog:
                 await self.producer.close()
             except Exception as exc:  # closing a failed writer: nothing more to save
                 log.debug("stream=%s close: %r", self.stream, exc)
-        if self.producer is not None and self.failure is None and self.last_acked_entry > self._snapshot_entry:
+        if self.producer is not None and self.failure is None and self.high_watermark > self._snapshot_offset:
             with contextlib.suppress(Exception):
                 await self.write_snapshot()
 
     # ---------------------------------------------------------------- producer state
-    async def _rebuild_producer_state(self, lac: int) -> tuple[StoredBatch | None, int]:
-        """Load the snapshot and replay the entries after it: (last Kafka batch seen, entries scanned)."""
-        earliest = self.reader.earliest()
-        start, snap = earliest, None
+    async def _rebuild_producer_state(self, lac: int) -> int:
+        """Load the snapshot and replay the batches after it up to the LAC; returns entries scanned."""
+        start, snap, skip_below = self.reader.earliest_entry(), None, 0
         cur = await self.store.get(self._snapshot_key)
         if cur is not None:
             self._snapshot_version = cur.version
@@ -218,43 +168,43 @@ class PartitionLog:
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("stream=%s: ignoring an unreadable producer-state snapshot: %r", self.stream, exc)
         state = ProducerStateTable(self.config.max_producers)
-        if snap is not None and snap.stream_id == self.stream_id and snap.entry_id <= lac:
+        if snap is not None and snap.stream_id == self.stream_id and snap.offset <= self.high_watermark:
             state = ProducerStateTable.from_json(snap.producers, self.config.max_producers)
-            start = max(earliest, snap.entry_id + 1)
-            self._snapshot_entry = snap.entry_id
+            skip_below = self._snapshot_offset = snap.offset
+            if snap.offset >= self.high_watermark:
+                start = lac + 1
+            elif snap.offset > self.log_start:
+                start = await self._locate(snap.offset)
         if lac - start + 1 > self.config.max_state_scan_entries:
             start = lac - self.config.max_state_scan_entries + 1
             state.complete = False
             log.warning("stream=%s: producer state rebuilt from the last %d entries only", self.stream,
                         self.config.max_state_scan_entries)
-        last = None
         eid = start
         while eid <= lac:
-            for e in await self.reader.entries(eid, lac):
+            for e in await self.reader.read_raw(eid, lac):
                 eid = e.entry_id + 1
-                b = decode_entry(e.entry_id, e.data)
-                if b is None:
+                b = stored_batch(e.entry_id, e.data)
+                if b is None or b.end_offset <= skip_below:
                     continue
-                last = b
-                self.index.add(b)
-                pid, epoch, first, last_seq = b.producer()
+                pid, epoch, first = b.producer()
                 if pid >= 0:
-                    state.record(pid, epoch, BatchRecord(first, last_seq, b.base_offset, b.offset_count))
+                    last = increment_sequence(first, b.offset_count - 1)
+                    state.record(pid, epoch, BatchRecord(first, last, b.base_offset, b.offset_count))
         self.acked_state = state
         self.live_state = state.copy()
-        return last, max(0, lac - start + 1)
+        return max(0, lac - start + 1)
 
     async def write_snapshot(self) -> bool:
         """Write the acked producer state (compare-and-set); False if a later term's snapshot is there."""
         if self._snapshots_stopped:
             return False
-        snap = StateSnapshot(self.stream_id, self.last_acked_entry, self.producer.term,
-                             self.acked_state.to_json())
+        snap = StateSnapshot(self.stream_id, self.high_watermark, self.producer.term, self.acked_state.to_json())
         data = snap.encode()
         for _ in range(3):
             v = await self.store.cas(self._snapshot_key, data, self._snapshot_version)
             if v is not None:
-                self._snapshot_version, self._snapshot_entry = v, snap.entry_id
+                self._snapshot_version, self._snapshot_offset = v, snap.offset
                 return True
             cur = await self.store.get(self._snapshot_key)
             if cur is not None:
@@ -273,50 +223,11 @@ class PartitionLog:
     async def _snapshot_loop(self) -> None:
         while self.failure is None and not self._snapshots_stopped:
             await asyncio.sleep(self.config.snapshot_interval_s)
-            if self.last_acked_entry > self._snapshot_entry:
+            if self.high_watermark > self._snapshot_offset:
                 try:
                     await self.write_snapshot()
                 except Exception as exc:
                     log.warning("stream=%s: writing the producer-state snapshot failed: %r", self.stream, exc)
-
-    async def _last_batch_at_or_below(self, lac: int) -> StoredBatch | None:
-        earliest = self.reader.earliest()
-        hi = lac
-        while hi >= earliest:
-            lo = max(earliest, hi - self.config.recovery_scan_entries + 1)
-            entries = await self._read_all(lo, hi)
-            for e in reversed(entries):
-                b = decode_entry(e.entry_id, e.data)
-                if b is not None:
-                    self.index.add(b)
-                    return b
-            hi = lo - 1
-        return None
-
-    async def _first_offset(self) -> int:
-        """Base offset of the first retained Kafka entry (next_offset when there is none)."""
-        eid = self.reader.earliest()
-        while eid <= self.last_acked_entry:
-            b = await self._next_batch(eid, self.last_acked_entry)
-            if b is None:
-                break
-            return b.base_offset
-        return self.next_offset
-
-    async def _read_all(self, first: int, last: int):
-        out = []
-        while first <= last:
-            got = await self.reader.entries(first, last)
-            out.extend(got)
-            first = got[-1].entry_id + 1
-        return out
-
-    async def _next_batch(self, first: int, last: int) -> StoredBatch | None:
-        """The first Kafka entry in first..last (skipping no-ops), or None."""
-        b = await next_batch(self.reader, first, last)
-        if b is not None:
-            self.index.add(b)
-        return b
 
     # ---------------------------------------------------------------- appends
     async def append(self, batches: list[Batch]) -> tuple[int, list[asyncio.Future]]:
@@ -329,15 +240,17 @@ class PartitionLog:
             first = None
             futures = []
             queued = 0
+            p = self.producer
             for b, dup in zip(batches, dups, strict=True):
                 if dup is not None:
                     first = dup.base_offset if first is None else first
                     if dup.future is not None and not dup.future.done():
                         futures.append(dup.future)
                     continue
-                base = self.next_offset
                 try:
-                    fut = await self.producer.append_raw(encode_entry(base, b))
+                    if not p.has_space():
+                        await p.wait_for_space()
+                    base, fut = p.append_batch(b.raw)
                 except PayloadTooLarge:
                     if queued:  # part of the request is queued: our offsets may no longer match the log
                         self._fail(WriterWithdrawn("a partial append"))
@@ -346,14 +259,13 @@ class PartitionLog:
                     self._fail(exc)
                     raise
                 queued += 1
-                self.next_offset += b.offset_count
                 first = base if first is None else first
                 if b.producer_id >= 0:
                     self.live_state.record(b.producer_id, b.producer_epoch, BatchRecord(
                         b.base_sequence, b.last_sequence, base, b.offset_count, fut))
                 fut.add_done_callback(self._acked_callback(base, b))
                 futures.append(fut)
-            return (self.next_offset if first is None else first), futures
+            return (p.next_offset if first is None else first), futures
 
     def _check_sequences(self, batches: list[Batch]) -> list[BatchRecord | None]:
         """Per batch: None to append it, or the stored batch it duplicates. Raises before anything
@@ -388,9 +300,6 @@ class PartitionLog:
             if fut.cancelled() or fut.exception() is not None:
                 self._fail(fut.exception() if not fut.cancelled() else asyncio.CancelledError())
                 return
-            eid = fut.result()
-            self.index.add((eid, base, base + count))
-            self.last_acked_entry = max(self.last_acked_entry, eid)
             self.high_watermark = max(self.high_watermark, base + count)
             if batch.producer_id >= 0:
                 self.acked_state.record(batch.producer_id, batch.producer_epoch, BatchRecord(
@@ -417,59 +326,74 @@ class PartitionLog:
     def check_offset(self, offset: int) -> None:
         if offset < self.log_start or offset > self.high_watermark:
             raise OffsetOutOfRange(f"offset {offset} outside {self.log_start}..{self.high_watermark} of "
-                                   f"{self.topic}-{self.partition}")
+                                   f"{self.topic} partition {self.partition}")
 
     async def read(self, offset: int, max_bytes: int) -> bytes:
-        """Record batches from the one holding ``offset`` up to the high watermark, at most
-        ``max_bytes`` except that the first batch is always whole (as Kafka does)."""
+        """The stored record batches from the one holding ``offset`` up to the high watermark, at
+        most ``max_bytes`` except that the first batch is always whole (as Kafka does)."""
         self.check_offset(offset)
-        if offset == self.high_watermark:
+        hw = self.high_watermark
+        if offset == hw:
             return b""
-        last = self.last_acked_entry
-        eid = await self.locate(offset)
-        out: list = []  # patched baseOffset, then the rest of the stored batch (not copied until the join)
+        last = self.producer.lac  # every entry up to here is acknowledged; batches from hw on are not served yet
+        eid = self._cursors.pop(offset, None)
+        if eid is None:
+            eid = await self._locate(offset)
+        out: list = []  # views of the stored batches (copied once, by the join)
         total = 0
-        while eid <= last and total < max_bytes:
-            entries = await self.reader.entries(eid, last)
-            for e in entries:
-                eid = e.entry_id + 1
-                parts = entry_parts(e.data)
-                if parts is None or parts[0] + parts[1] <= offset:
+        end = offset
+        try:
+            while eid <= last and total < max_bytes and end < hw:
+                for e in await self.reader.read_raw(eid, last):
+                    b = stored_batch(e.entry_id, e.data)
+                    if b is not None and b.end_offset > offset:
+                        if b.base_offset >= hw:
+                            break
+                        size = len(e.data) - 1
+                        if out and total + size > max_bytes:
+                            break
+                        out.append(b.batch)
+                        total += size
+                        end = b.end_offset
+                    eid = e.entry_id + 1
+                else:
                     continue
-                size = len(parts[2]) + 8
-                if out and total + size > max_bytes:
-                    return b"".join(out)
-                out.append(_I64.pack(parts[0]))
-                out.append(parts[2])
-                total += size
+                break
+        except DataRemovedError as exc:  # retention removed it since: the client resets its offset
+            self.log_start = max(self.log_start, exc.earliest)
+            raise OffsetOutOfRange(f"offset {offset} of {self.topic} partition {self.partition} was removed by "
+                                   f"retention; log start is {exc.earliest}") from exc
+        if out:
+            if len(self._cursors) >= _MAX_CURSORS:
+                self._cursors.clear()
+            self._cursors[end] = eid
         return b"".join(out)
 
-    async def locate(self, offset: int) -> int:
+    async def _locate(self, offset: int) -> int:
         """The entry id of the batch holding ``offset`` (log_start <= offset < high watermark)."""
-        lo, hi, holds = self.index.bracket(offset)
-        if holds:
-            return lo
-        lo = self.reader.earliest() - 1 if lo is None else lo
-        hi = self.last_acked_entry + 1 if hi is None else hi
-        found, _below = await search_offset(self._next_batch, lo, hi, offset)
-        if found is not None:
-            return found.entry_id
-        raise KafkaStorageError(f"{self.stream}: no entry holds offset {offset} (between entries {lo} and {hi})")
+        r = self.reader
+        r.lac = max(r.lac, self.producer.lac)  # the bookies may not have been told our LAC yet
+        return await r.locate(offset)
+
+    async def refresh_log_start(self) -> int:
+        """Re-read the first retained offset from the fragment records (retention may have run)."""
+        fresh = Consumer(self.client.cluster, self.reader.meta, max_read_entries=16)
+        self.log_start = min(max(self.log_start, await fresh.earliest_offset()), self.high_watermark)
+        return self.log_start
 
     async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:
-        """(offset, timestamp) of the first batch whose max timestamp is >= ``ts``; (-1, -1) if none.
-        Batches' max timestamps are taken as non-decreasing (producer time), as a binary search needs."""
-        lo, hi = self.reader.earliest() - 1, self.last_acked_entry + 1
-        found: StoredBatch | None = None
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            b = await self._next_batch(mid, hi - 1)
-            if b is None:
-                hi = mid
-            elif b.max_timestamp >= ts:
-                found, hi = b, mid
-            else:
-                lo = b.entry_id
-        if found is None:
+        """(offset, timestamp) of the first record whose timestamp is >= ``ts``; (-1, -1) if none.
+        Batches' max timestamps are taken as non-decreasing (producer time), as Kafka's time index does."""
+        r = self.reader
+        hw = self.high_watermark
+
+        async def next_in(first: int, last: int) -> StoredBatch | None:
+            return await next_batch(r.read_raw, first, last)
+
+        b = await search_timestamp(next_in, r.earliest_entry() - 1, self.producer.lac + 1, ts)
+        if b is None or b.base_offset >= hw:
             return -1, -1
-        return max(found.base_offset, self.log_start), found.max_timestamp
+        for rec in records_of(b, self.stream, max(b.base_offset, self.log_start)):
+            if rec.timestamp_ms >= ts:
+                return rec.offset, rec.timestamp_ms
+        return -1, -1

@@ -25,8 +25,8 @@ partition. A batch is checked against it before it is queued (``check``):
 
 The partition keeps two tables: the *live* one, updated as batches are queued (so pipelined
 requests are checked against batches still in flight; a duplicate of an in-flight batch waits for
-the original's acknowledgement), and the *acked* one, updated as entries are acknowledged (in
-entry order) — the only one written to snapshots, since it describes exactly what is in the log.
+the original's acknowledgement), and the *acked* one, updated as batches are acknowledged (in
+offset order) — the only one written to snapshots, since it describes exactly what is in the log.
 See ``compat_kafka.partition`` for how the state is snapshotted and rebuilt on open.
 """
 
@@ -175,19 +175,19 @@ class ProducerStateTable:
 
 @dataclass(frozen=True)
 class StateSnapshot:
-    """The acked producer state of a partition as of entry ``entry_id`` of stream ``stream_id``,
-    written by the shim that wrote the stream in ``term``."""
+    """The acked producer state of a partition: exact for every batch below record offset
+    ``offset`` of stream ``stream_id``, written by the shim that wrote the stream in ``term``."""
 
     stream_id: int
-    entry_id: int
+    offset: int
     term: int
     producers: dict
 
     def encode(self) -> bytes:
-        return json.dumps({"stream_id": self.stream_id, "entry_id": self.entry_id, "term": self.term,
+        return json.dumps({"stream_id": self.stream_id, "offset": self.offset, "term": self.term,
                            "producers": self.producers}, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> StateSnapshot:
         d = json.loads(raw)
-        return cls(int(d["stream_id"]), int(d["entry_id"]), int(d["term"]), dict(d["producers"]))
+        return cls(int(d["stream_id"]), int(d["offset"]), int(d["term"]), dict(d["producers"]))

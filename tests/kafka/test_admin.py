@@ -19,9 +19,10 @@ from confluent_kafka.admin import (  # noqa: E402
     ResourceType,
 )
 
-from compat_kafka.batches import decode_entry  # noqa: E402
 from compat_kafka.groups import retention_floor  # noqa: E402
+from streams.batches import stored_batch  # noqa: E402
 from streams.client import connect  # noqa: E402
+from streams.topics import partition_stream  # noqa: E402
 
 from .test_groups import assignment, consumer, create_topic, poll_until, produce  # noqa: E402
 
@@ -40,18 +41,19 @@ def error_name(fut) -> str:
 
 
 def stream_info(cluster, name: str):
-    """(LedgerMeta.retention, [(entry id, base offset, end offset)] of the Kafka entries) of a stream."""
+    """(LedgerMeta.retention, [(entry id, base offset, end offset)] of the batches) of a stream."""
     async def go():
         client = await connect(cluster.metadata_url)
         try:
             info = await client.describe_stream(name)
             c = await client.consumer(name)
-            last = await c.end_position() - 1
-            batches, first = [], c.earliest()
+            await c.end_position()  # learns the LAC
+            last = c.lac
+            batches, first = [], c.earliest_entry()
             while first <= last:
                 for e in await c.read_raw(first, last):
                     first = e.entry_id + 1
-                    b = decode_entry(e.entry_id, e.data)
+                    b = stored_batch(e.entry_id, e.data)
                     if b is not None:
                         batches.append((b.entry_id, b.base_offset, b.end_offset))
             return info.meta.retention, batches
@@ -105,7 +107,7 @@ def test_topic_configs_are_described_altered_and_set_stream_retention(admin, shi
     assert cfg["cleanup.policy"].value == "delete"
     assert cfg["max.message.bytes"].value == "100000"
     for p in (0, 1):
-        assert stream_info(kafka_cluster, f"{topic}-{p}")[0] == {"max_age_s": 60.0}
+        assert stream_info(kafka_cluster, partition_stream(topic, p))[0] == {"max_age_s": 60.0}
 
     alter = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
         ConfigEntry("retention.bytes", "1048576", incremental_operation=AlterConfigOpType.SET),
@@ -113,10 +115,10 @@ def test_topic_configs_are_described_altered_and_set_stream_retention(admin, shi
     admin.incremental_alter_configs([alter])[alter].result(timeout=20)
     cfg = admin.describe_configs([res])[res].result(timeout=20)
     assert (cfg["retention.bytes"].value, cfg["retention.ms"].value) == ("1048576", "-1")
-    assert stream_info(kafka_cluster, f"{topic}-1")[0] == {"max_bytes": 1048576}
+    assert stream_info(kafka_cluster, partition_stream(topic, 1))[0] == {"max_bytes": 1048576}
     # growing the topic gives the new partition the topic's retention too
     admin.create_partitions([NewPartitions(topic, 3)])[topic].result(timeout=20)
-    assert stream_info(kafka_cluster, f"{topic}-2")[0] == {"max_bytes": 1048576}
+    assert stream_info(kafka_cluster, partition_stream(topic, 2))[0] == {"max_bytes": 1048576}
 
     bad = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
         ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET)])
@@ -169,33 +171,34 @@ def test_consumer_groups_listed_described_and_deleted_only_when_empty(admin, shi
     assert error_name(admin.delete_consumer_groups([group])[group]) == "GROUP_ID_NOT_FOUND"
 
 
-def test_retention_floor_is_the_entry_of_the_lowest_committed_offset(admin, shim, kafka_cluster, topic):
-    create_topic(shim.bootstrap, topic, 1)
-    stream = f"{topic}-0"
-    assert floor(kafka_cluster, stream) is None  # no Kafka batch yet
+def test_retention_floor_is_the_lowest_committed_offset(admin, shim, kafka_cluster, topic):
+    create_topic(shim.bootstrap, topic, 2)
+    stream = partition_stream(topic, 1)
+    assert floor(kafka_cluster, stream) is None  # no group committed anything
     for i in range(6):  # one batch (one entry) per flush: offsets 0..5, one each
-        produce(shim.bootstrap, topic, 1, 1, prefix=f"b{i}-")
+        produce(shim.bootstrap, topic, 1, 1, prefix=f"b{i}-", partition=1)
     # a reader sees an acknowledged entry once its LAC reached the bookies (piggybacked on the next
     # add, or an idle LAC push a few ms later): wait for the last batch to become visible
     deadline = time.monotonic() + 15
     while len(batches := stream_info(kafka_cluster, stream)[1]) < 6 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [(b, e) for _, b, e in batches] == [(i, i + 1) for i in range(6)]
-    entry = {base: eid for eid, base, _ in batches}
-    assert floor(kafka_cluster, stream) == entry[5]  # no group yet: the last batch still stays
 
-    def commit(group: str, offset: int) -> None:
+    def commit(group: str, offset: int, partition: int = 1) -> None:
         c = consumer(shim.bootstrap, group)
         try:
-            c.commit(offsets=[TopicPartition(topic, 0, offset)], asynchronous=False)
+            c.commit(offsets=[TopicPartition(topic, partition, offset)], asynchronous=False)
         finally:
             c.close()
 
     commit(f"a-{topic}", 4)
-    assert floor(kafka_cluster, stream) == entry[4]
+    assert floor(kafka_cluster, stream) == 4  # a record offset, as retention's keep_from
     commit(f"b-{topic}", 2)
-    assert floor(kafka_cluster, stream) == entry[2]  # the lowest group wins
+    assert floor(kafka_cluster, stream) == 2  # the lowest group wins
+    commit(f"c-{topic}", 0, partition=0)  # another partition's commits do not count here
+    assert floor(kafka_cluster, stream) == 2
+    assert floor(kafka_cluster, topic) == 0  # partition 0 is the stream named like the topic
     admin.delete_consumer_groups([f"b-{topic}"])[f"b-{topic}"].result(timeout=20)
-    assert floor(kafka_cluster, stream) == entry[4]
-    commit(f"a-{topic}", 6)  # consumed everything: the last batch is still kept
-    assert floor(kafka_cluster, stream) == entry[5]
+    assert floor(kafka_cluster, stream) == 4
+    commit(f"a-{topic}", 6)  # consumed everything
+    assert floor(kafka_cluster, stream) == 6

@@ -20,10 +20,10 @@ from compat_kafka.groups import (
     GroupConfig,
     JoinResult,
     SyncResult,
-    _kafka_partition,
     _parse_offset_key,
     offset_key,
 )
+from streams.topics import partition_stream, stream_partition
 
 CFG = GroupConfig(initial_rebalance_delay_ms=100, min_session_timeout_ms=100)
 RANGE = (("range", b"r-meta"), ("roundrobin", b"rr-meta"))
@@ -277,6 +277,8 @@ def test_offset_keys_round_trip_any_group_name(group):
 
 
 def test_stream_names_of_kafka_partitions():
-    assert _kafka_partition("orders-3") == ("orders", 3)
-    assert _kafka_partition("my-topic-12") == ("my-topic", 12)
-    assert _kafka_partition("plainstream") is None and _kafka_partition("x-y") is None
+    """A Kafka topic name reads back one way only: ``orders-3`` is the topic orders-3, never partition
+    3 of ``orders``; partitions after the first are ``<topic>:<p>`` (':' is not legal in topic names)."""
+    assert partition_stream("orders-3", 0) == "orders-3" and stream_partition("orders-3") == ("orders-3", 0)
+    assert partition_stream("my-topic", 12) == "my-topic:12" and stream_partition("my-topic:12") == ("my-topic", 12)
+    assert stream_partition("plainstream") == ("plainstream", 0)

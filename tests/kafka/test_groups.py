@@ -47,10 +47,11 @@ def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
     admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])[topic].result(timeout=20)
 
 
-def produce(bootstrap: str, topic: str, n: int, partitions: int, prefix: str = "m") -> None:
+def produce(bootstrap: str, topic: str, n: int, partitions: int, prefix: str = "m", partition: int | None = None) -> None:
+    """``n`` records round-robin over ``partitions`` (or all to ``partition``)."""
     p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5})
     for i in range(n):
-        p.produce(topic, value=f"{prefix}{i}".encode(), partition=i % partitions)
+        p.produce(topic, value=f"{prefix}{i}".encode(), partition=i % partitions if partition is None else partition)
     assert p.flush(30) == 0
 
 

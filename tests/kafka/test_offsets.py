@@ -1,5 +1,6 @@
-"""The offsets mapping: dense Kafka offsets across take-overs, recovery of next_offset from the log,
-the entry index and its binary search."""
+"""Kafka offsets are the streams' record offsets: dense across take-overs, the next offset recovered
+from the log, the entry holding an offset found without any index of the listener's own, and the
+stored batches served byte for byte."""
 
 from __future__ import annotations
 
@@ -10,25 +11,12 @@ import pytest
 
 from compat_kafka.broker import Broker, BrokerConfig
 from compat_kafka.errors import OffsetOutOfRange
-from compat_kafka.partition import OffsetIndex
+from streams.batches import stored_batch
 from streams.client import connect
 
-
-def test_offset_index_bracket_and_thinning():
-    ix = OffsetIndex(max_points=16)
-    for eid in range(1, 41):  # entry e holds offsets 10(e-1) .. 10e-1
-        ix.add((eid, 10 * (eid - 1), 10 * eid))
-    assert len(ix.eids) <= 17 and ix.eids[-1] == 40
-    lo, hi, holds = ix.bracket(395)
-    assert (lo, holds) == (40, True)
-    lo, hi, holds = ix.bracket(5)
-    assert lo == 1 and holds
-    lo, hi, holds = ix.bracket(25)  # a thinned-out point: bracketed, not held
-    assert lo is not None and hi is not None and lo < 3 < hi + 1
-    assert ix.bracket(-1) == (None, 1, False)
+pytestmark = pytest.mark.process
 
 
-@pytest.mark.process
 def test_take_over_recovers_dense_offsets(shim, kafka_cluster, topic):
     def kcat(*args, input=None):
         return subprocess.run(["kcat", "-b", shim.bootstrap, *args], input=input, capture_output=True, text=True,
@@ -38,19 +26,27 @@ def test_take_over_recovers_dense_offsets(shim, kafka_cluster, topic):
     kcat("-P", "-t", topic, input="d\n")
 
     async def second_broker():
-        # Another broker (a restarted shim) takes the partition over: it must recover next_offset from
-        # the log, find every offset through the index-less binary search, and add no holes.
+        # Another broker (a restarted shim) takes the partition over: its producer recovers the next
+        # offset from the log, every offset is found by the consumer's search, and no holes appear.
         client = await connect(kafka_cluster.metadata_url, add_timeout_s=5, call_timeout_s=5)
         broker = Broker(client, BrokerConfig())
         try:
             plog = await broker.partition(topic, 0)
             assert (plog.log_start, plog.next_offset, plog.high_watermark) == (0, 4, 4)
-            plog.index = OffsetIndex(16)  # forget the recovered point: force the search
-            for off in range(4):
-                eid = await plog.locate(off)
-                assert eid >= 1
+            stored = []  # (base offset, end offset, the stored batch bytes)
+            eid, lac = plog.reader.earliest_entry(), plog.producer.lac
+            while eid <= lac:
+                for e in await plog.reader.read_raw(eid, lac):
+                    eid = e.entry_id + 1
+                    b = stored_batch(e.entry_id, e.data)
+                    if b is not None:
+                        stored.append((b.base_offset, b.end_offset, bytes(b.batch)))
+            assert [(base, end) for base, end, _ in stored][-1] == (3, 4)  # the last kcat call: one batch
+            assert [base for base, _, _ in stored] == sorted({base for base, _, _ in stored})
+            for off in range(4):  # every fetch offset: the stored batches from the one holding it, as stored
+                assert await plog.read(off, 1 << 20) == b"".join(raw for _, end, raw in stored if end > off)
             data = await plog.read(3, 1 << 20)
-            assert int.from_bytes(data[:8], "big") == 3  # base offset patched in
+            assert int.from_bytes(data[:8], "big") == 3  # the stored batch carries its own base offset
             assert await plog.read(4, 1 << 20) == b""
             with pytest.raises(OffsetOutOfRange):
                 await plog.read(5, 1 << 20)
