@@ -119,7 +119,7 @@ class Producer:
             if isinstance(r, dict):
                 fut, i = self._add(r["value"], r.get("key"), r.get("headers"), r.get("timestamp_ms"))
             else:
-                fut, i = self._add(*r)
+                fut, i = self._add(*r, *(None,) * (4 - len(r)))  # trailing items are optional
             _note(parts, fut, i, 1)
         if run:
             await self._add_values(run, parts)
