@@ -19,6 +19,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import streams.consumer as consumer_mod  # noqa: E402
+from streams.driver import ProducerOptions  # noqa: E402
 from tests.streams.test_inproc import start_cluster, stop_cluster  # noqa: E402
 
 
@@ -27,9 +28,8 @@ async def main(entries: int) -> None:
     try:
         for name, e, wq in (("striped", 3, 2), ("plain", 3, 3)):
             await client.create_stream(name, ensemble=e, write_quorum=wq, ack_quorum=2)
-            p = await client.producer(name)
-            for _ in range(entries):  # one record per entry: each call waits for its acknowledgement
-                await p.append(b"x" * 1024)
+            p = await client.producer(name, ProducerOptions(batch_bytes=1024))  # one 1 KiB record per entry
+            await p.append_many([b"x" * 1024] * entries)
             await p.close()
         default = consumer_mod.STRIPED_RUNS
         for runs in (1, default):
