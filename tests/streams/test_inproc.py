@@ -83,3 +83,43 @@ def test_produce_consume_take_over_in_process(tmp_path):
             await stop_cluster(client, servers, regs)
 
     asyncio.run(body())
+
+
+def test_seeking_costs_logarithmic_reads_and_repeats_are_cached(tmp_path):
+    """A seek narrows to a fragment by its first offset (metadata), then binary-searches its
+    entries with single-entry reads: at most ~log2(entries) + a few reads, and a seek near a point
+    already learnt reads nothing."""
+    async def body():
+        client, servers, regs = await start_cluster(tmp_path)
+        try:
+            await client.create_stream("s", ensemble=3, write_quorum=3, ack_quorum=2, fragment_entries_max=1500)
+            p = await client.producer("s", ProducerOptions(batch_bytes=1024))
+            # 3000 entries of 3 records each: batches hold [3i, 3i + 3)
+            await p.append_many([b"v" * 300] * 9000)
+            await p.close()
+            info = await client.describe_stream("s")
+            assert len(info.fragments) >= 2 and info.fragments[0].first_offset == 0
+            for f in info.fragments[1:]:  # entry 0 is the take-over's no-op; entry k holds [3k - 3, 3k)
+                assert f.first_offset == 3 * (f.first_entry_id - 1), f
+            c = await client.consumer("s", start="earliest")
+            reads = []
+            real = c.read_raw
+
+            async def counting(first, last):
+                reads.append((first, last))
+                return await real(first, last)
+
+            c.read_raw = counting
+            for offset in (4000, 12, 8999, 6001):
+                reads.clear()
+                await c.seek(offset)
+                assert len(reads) <= 14, (offset, reads)  # log2(1500) ~ 11, plus a no-op step or two
+                assert (await c.read(1))[0].offset == offset
+            reads.clear()
+            await c.seek(4001)  # inside the batch found for 4000 (or next to it): no reads
+            assert len(reads) <= 1
+            assert (await c.read(1))[0].offset == 4001
+        finally:
+            await stop_cluster(client, servers, regs)
+
+    asyncio.run(body())
