@@ -5,6 +5,12 @@ A stream's policy lives in ``LedgerMeta.retention`` (a dict; the retention job i
 
     {"max_age_s": 604800, "max_bytes": 10737418240, "keep_from": 1200, "respect_consumers": true}
 
+Positions here are **record offsets** (``streams/batches.py``), the positions users see: fragment
+``i`` holds the records ``first_offset(i) .. first_offset(i + 1) - 1``, so whether a fragment is
+wholly below an offset is known from metadata alone. The caller passes fragments whose
+``first_offset`` it has filled in where the record did not have it (``Consumer.first_offset_of``);
+an offset still unknown keeps the fragment wherever an offset is needed to decide.
+
 How a decision is made (``evaluate``). Fragments are looked at from the front and removed as a
 prefix only; the walk stops at the first fragment that must stay, so a stream never has holes.
 A fragment can go only if
@@ -12,21 +18,24 @@ A fragment can go only if
 * it is sealed and is not the last fragment (the open fragment, or a CLOSED ledger's last one, is
   never removed: a writer and the LAC always have somewhere to live);
 * at least one of ``max_age_s``, ``max_bytes``, ``keep_from`` is set (no policy: keep everything);
-* **some configured limit lets all of its entries go** — each limit names the entries it keeps:
+* **some configured limit lets all of its records go** — each limit names the records it keeps:
 
-  - ``keep_from``: entries at positions >= keep_from;
+  - ``keep_from``: records at offsets >= keep_from (a fragment goes once the next fragment's
+    first offset is <= keep_from);
   - ``max_bytes``: the newest max_bytes bytes: a fragment goes only if the fragments after it
     (known sizes only, so an unknown size keeps more) hold at least max_bytes. This is Kafka's
     ``retention.bytes`` rule: the stream never shrinks below the limit;
-  - ``max_age_s``: entries younger than max_age_s: the fragment's last entry (the newest, as
-    records are appended in time order) must be at least that old. Its timestamp comes from the
-    caller (``last_timestamps``); an unknown timestamp keeps the fragment;
+  - ``max_age_s``: records younger than max_age_s: the fragment's last batch (the newest, as
+    records are appended in time order) must be at least that old by its max timestamp. The
+    timestamps come from the caller (``last_timestamps``); an unknown timestamp keeps the fragment;
 
   and, as in Kafka (``retention.ms`` and ``retention.bytes``), each configured limit removes on
   its own: a fragment goes when any one of them lets it go ("7 days or 10 GiB, whichever removes
-  more"), never past a floor;
-* every floor (the lowest position a layer above still needs, e.g. the slowest Kafka consumer
-  group's committed offset) is above its last entry, unless ``respect_consumers`` is false.
+  more"), never past a floor. A fragment that holds no record at all (only take-over no-ops) is
+  kept by no limit;
+* every floor (the lowest record offset a layer above still needs, e.g. the slowest Kafka consumer
+  group's committed offset) is at or above the next fragment's first offset, unless
+  ``respect_consumers`` is false.
 """
 
 from __future__ import annotations
@@ -96,7 +105,17 @@ class Decision:
 
     @property
     def entries(self) -> int:
+        """Entries removed (a protocol fact: no-ops count, records do not)."""
         return sum(f.last_entry_id - f.first_entry_id + 1 for f in self.remove)
+
+    @property
+    def records(self) -> int | None:
+        """Record offsets removed (None when an offset is unknown)."""
+        if not self.remove:
+            return 0
+        if self.keep_first is None or self.keep_first.first_offset is None or self.remove[0].first_offset is None:
+            return None
+        return self.keep_first.first_offset - self.remove[0].first_offset
 
     @property
     def bytes(self) -> int:
@@ -109,7 +128,12 @@ class Decision:
 
     @property
     def new_earliest(self) -> int | None:
-        """The first position readable once the removal is done."""
+        """The first record offset readable once the removal is done (None: not known)."""
+        return self.keep_first.first_offset if self.keep_first is not None else None
+
+    @property
+    def new_earliest_entry(self) -> int | None:
+        """The first entry id kept: bookies drop the entries below it."""
         return self.keep_first.first_entry_id if self.keep_first is not None else None
 
 
@@ -120,9 +144,10 @@ def evaluate(
     floors: Iterable[int | None] = (),
     last_timestamps: Mapping[int, int | None] | None = None,
 ) -> Decision:
-    """Which front fragments go now. ``fragments``: the stream's visible fragments by index;
-    ``floors``: positions layers above still need (None: no constraint); ``last_timestamps``:
-    fragment index -> timestamp (ms) of its last record, for ``max_age_s``."""
+    """Which front fragments go now. ``fragments``: the stream's visible fragments by index, with
+    their ``first_offset`` (None: unknown); ``floors``: record offsets layers above still need
+    (None: no constraint); ``last_timestamps``: fragment index -> max timestamp (ms) of its last
+    batch, for ``max_age_s``."""
     frags = sorted(fragments, key=lambda f: f.index)
     fl = tuple(sorted(x for x in floors if x is not None)) if policy.respect_consumers else ()
     stamps = last_timestamps or {}
@@ -135,42 +160,49 @@ def evaluate(
     remove: list[Fragment] = []
     reason = "nothing to remove"
     for i, f in enumerate(frags):
-        reason = _keeps(policy, f, i == len(frags) - 1, after[i], now_ms, fl, stamps)
+        nxt = frags[i + 1] if i + 1 < len(frags) else None
+        reason = _keeps(policy, f, nxt, after[i], now_ms, fl, stamps)
         if reason is not None:
             return Decision(tuple(remove), reason, f, fl)
         remove.append(f)
     return Decision(tuple(remove), reason, None, fl)  # only reachable with no fragments
 
 
-def _keeps(policy: Policy, f: Fragment, last: bool, bytes_after: int, now_ms: int, floors: tuple[int, ...],
-           stamps: Mapping[int, int | None]) -> str | None:
-    """Why fragment ``f`` must stay (None: it may go)."""
-    if last:
+def _keeps(policy: Policy, f: Fragment, nxt: Fragment | None, bytes_after: int, now_ms: int,
+           floors: tuple[int, ...], stamps: Mapping[int, int | None]) -> str | None:
+    """Why fragment ``f`` (followed by ``nxt``) must stay (None: it may go)."""
+    if nxt is None:
         return "last fragment"
     if not f.sealed:
         return "open fragment"
     if not policy.active:
         return "no retention policy"
+    end = nxt.first_offset  # one past f's last record offset
+    if end is not None and f.first_offset is not None and end <= f.first_offset:
+        return _floor_reason(end, floors)  # no record in it: no limit keeps anything
     held: list[str] = []  # what each configured limit says; any one limit that lets go removes
     if policy.keep_from is not None:
-        if f.last_entry_id < policy.keep_from:
-            return _floor_reason(f, floors)
-        held.append(f"keep_from {policy.keep_from}")
+        if end is not None and end <= policy.keep_from:
+            return _floor_reason(end, floors)
+        held.append(f"keep_from {policy.keep_from}" + (": offsets unknown" if end is None else ""))
     if policy.max_bytes is not None:
         if bytes_after >= policy.max_bytes:
-            return _floor_reason(f, floors)
+            return _floor_reason(end, floors)
         held.append(f"max_bytes {policy.max_bytes}")
     if policy.max_age_s is not None:
         ts = stamps.get(f.index)
         if ts is not None and ts <= now_ms - policy.max_age_s * 1000:
-            return _floor_reason(f, floors)
+            return _floor_reason(end, floors)
         held.append("max_age_s: age unknown" if ts is None else f"max_age_s {policy.max_age_s:g}")
     return "; ".join(held)
 
 
-def _floor_reason(f: Fragment, floors: tuple[int, ...]) -> str | None:
+def _floor_reason(end: int | None, floors: tuple[int, ...]) -> str | None:
+    """Why the floors keep a fragment whose records end below offset ``end`` (None: they do not)."""
+    if floors and end is None:
+        return f"consumer floor {floors[0]}: offsets unknown"
     for floor in floors:
-        if f.last_entry_id >= floor:
+        if end > floor:
             return f"consumer floor {floor}"
     return None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,14 +14,17 @@ from fragments.retention import InvalidPolicy, Policy, evaluate, parse_duration,
 NOW = 10_000_000
 
 
-def chain(sizes: list[int], entries: int = 10, open_last: bool = True) -> list[Fragment]:
-    """Fragments of ``entries`` entries each; the last one open unless told otherwise."""
+def chain(sizes: list[int], entries: int = 10, open_last: bool = True, records: list[int] | None = None) -> list[Fragment]:
+    """Fragments of ``entries`` entries each; the last one open unless told otherwise. ``records``:
+    how many records each holds (default: one per entry), which gives their first offsets."""
     out = []
+    offset = 0
     for i, size in enumerate(sizes):
         last = i == len(sizes) - 1
         sealed = not (last and open_last)
         out.append(Fragment(i, i * entries, ("a", "b", "c"), 1, (i + 1) * entries - 1 if sealed else None,
-                            size if sealed else None))
+                            size if sealed else None, first_offset=offset))
+        offset += entries if records is None else records[i]
     return out
 
 
@@ -34,6 +39,37 @@ def test_keep_from_removes_only_fragments_wholly_below():
     assert [f.index for f in d.remove] == [0, 1]  # fragment 2 (20..29) holds 25: it stays
     assert d.new_earliest == 20 and d.new_first_index == 2 and d.entries == 20 and d.bytes == 200
     assert [f.index for f in evaluate(Policy(keep_from=30), frags, NOW).remove] == [0, 1, 2]
+
+
+def test_keep_from_and_floors_are_record_offsets_not_entry_ids():
+    # 10 entries per fragment; fragment 0 holds a take-over no-op and 9 one-record batches, the others
+    # 10 batches of 5 records: offsets 0..8 | 9..58 | 59..108 | 109..158 | 159..
+    frags = chain([100] * 5, records=[9, 50, 50, 50, 50])
+    d = evaluate(Policy(keep_from=60), frags, NOW)
+    assert [f.index for f in d.remove] == [0, 1]  # fragment 2 starts at offset 59 and holds 60
+    assert d.new_earliest == 59 and d.new_earliest_entry == 20 and d.records == 59 and d.entries == 20
+    assert [f.index for f in evaluate(Policy(keep_from=59), frags, NOW).remove] == [0, 1]
+    assert [f.index for f in evaluate(Policy(keep_from=58), frags, NOW).remove] == [0]
+    d = evaluate(Policy(keep_from=1000), frags, NOW, floors=[109])
+    assert [f.index for f in d.remove] == [0, 1, 2] and d.kept_because == "consumer floor 109"
+
+
+def test_an_unknown_offset_keeps_where_an_offset_decides():
+    frags = chain([100] * 5)
+    frags[2] = dataclasses.replace(frags[2], first_offset=None)  # fragment 1's end is unknown
+    d = evaluate(Policy(keep_from=40), frags, NOW)
+    assert [f.index for f in d.remove] == [0] and "offsets unknown" in d.kept_because
+    d = evaluate(Policy(max_bytes=100), frags, NOW, floors=[40])
+    assert [f.index for f in d.remove] == [0] and "offsets unknown" in d.kept_because
+    assert [f.index for f in evaluate(Policy(max_bytes=100), frags, NOW).remove] == [0, 1, 2]  # bytes need none
+
+
+def test_a_fragment_without_records_is_kept_by_no_limit():
+    frags = chain([100] * 4, records=[10, 0, 10, 10])  # fragment 1: no-ops only
+    stamps = {0: NOW - 100_000}  # fragment 1's age is unknown (it holds no batch)
+    d = evaluate(Policy(max_age_s=10), frags, NOW, last_timestamps=stamps)
+    assert [f.index for f in d.remove] == [0, 1] and d.new_earliest == 10
+    assert evaluate(Policy(max_age_s=10), frags, NOW, floors=[5], last_timestamps=stamps).remove == ()
 
 
 def test_never_the_last_fragment_even_if_sealed():
@@ -106,22 +142,26 @@ def scenarios(draw):
     n = draw(st.integers(1, 12))
     sizes = draw(st.lists(st.integers(0, 1000), min_size=n, max_size=n))
     lens = draw(st.lists(st.integers(1, 20), min_size=n, max_size=n))
+    counts = draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))  # records per fragment
     open_last = draw(st.booleans())
-    frags, first = [], draw(st.integers(0, 50))
+    frags, first, offset = [], draw(st.integers(0, 50)), draw(st.integers(0, 50))
     for i in range(n):
         sealed = not (open_last and i == n - 1)
         last = first + lens[i] - 1
+        known = draw(st.integers(0, 9)) > 0  # now and then a first offset the record does not have
         frags.append(Fragment(i + 3, first, ("a",), 1, last if sealed else None,
-                              draw(st.one_of(st.none(), st.just(sizes[i]))) if sealed else None))
+                              draw(st.one_of(st.none(), st.just(sizes[i]))) if sealed else None,
+                              first_offset=offset if known else None))
         first = last + 1
+        offset += counts[i]
     stamps = {f.index: draw(st.one_of(st.none(), st.integers(NOW - 200_000, NOW))) for f in frags}
     policy = Policy(
         max_age_s=draw(st.one_of(st.none(), st.integers(0, 200))),
         max_bytes=draw(st.one_of(st.none(), st.integers(0, 5000))),
-        keep_from=draw(st.one_of(st.none(), st.integers(0, first + 5))),
+        keep_from=draw(st.one_of(st.none(), st.integers(0, offset + 5))),
         respect_consumers=draw(st.booleans()),
     )
-    floors = draw(st.lists(st.one_of(st.none(), st.integers(0, first + 5)), max_size=3))
+    floors = draw(st.lists(st.one_of(st.none(), st.integers(0, offset + 5)), max_size=3))
     return policy, frags, floors, stamps
 
 
@@ -138,15 +178,18 @@ def test_removal_is_a_sealed_prefix_that_some_limit_lets_go(scenario):
         raise AssertionError("removed without a policy")
     for i, f in enumerate(d.remove):
         assert f.sealed
+        end = frags[i + 1].first_offset  # one past its last record offset
+        empty = end is not None and f.first_offset is not None and end <= f.first_offset
         lets_go = [
-            policy.keep_from is not None and f.last_entry_id < policy.keep_from,
+            empty,
+            policy.keep_from is not None and end is not None and end <= policy.keep_from,
             policy.max_bytes is not None and sum(g.size_bytes or 0 for g in frags[i + 1:]) >= policy.max_bytes,
             policy.max_age_s is not None and stamps[f.index] is not None
             and stamps[f.index] <= NOW - policy.max_age_s * 1000,
         ]
         assert any(lets_go)  # some configured limit lets it go (Kafka: each limit deletes on its own)
-        if policy.respect_consumers:
-            assert all(f.last_entry_id < fl for fl in floors if fl is not None)
+        if policy.respect_consumers and any(fl is not None for fl in floors):
+            assert end is not None and all(end <= fl for fl in floors if fl is not None)  # no record a floor needs
     # maximal: the first kept fragment is held by something
     assert d.kept_because
 
@@ -160,5 +203,9 @@ def test_a_stricter_policy_never_removes_more(scenario):
                       None if policy.max_bytes is None else policy.max_bytes + 100,
                       None if policy.keep_from is None else max(0, policy.keep_from - 7), policy.respect_consumers)
     assert len(evaluate(stricter, frags, NOW, floors, stamps).remove) <= base
-    more_floors = [*floors, frags[0].first_entry_id]
-    assert len(evaluate(policy, frags, NOW, more_floors, stamps).remove) == (0 if policy.respect_consumers else base)
+    first = frags[0].first_offset
+    if first is not None:
+        more_floors = [*floors, first]  # a floor at the earliest record keeps every fragment holding records
+        got = evaluate(policy, frags, NOW, more_floors, stamps)
+        assert all(frags[i + 1].first_offset == first for i in range(len(got.remove))) if policy.respect_consumers \
+            else len(got.remove) == base
