@@ -2,30 +2,40 @@
 
     report = await run_retention(client)                       # every stream
     report = await run_retention(client, "orders", dry_run=True)
-    await apply(client, "orders", keep_from=1200)              # one-shot: drop what is below 1200
+    await apply(client, "orders", keep_from=1200)              # one-shot: drop records below offset 1200
 
 What goes is decided by the pure ``fragments.retention.evaluate`` (read its docstring for the
-rules); this module gathers its inputs (the visible fragments, the floors of layers above, the
-timestamps of fragments' last records) and carries the decision out.
+rules); this module gathers its inputs (the visible fragments with their first record offsets,
+the floors of layers above, the timestamps of fragments' last batches) and carries the decision
+out.
+
+**Offsets.** ``keep_from``, floors, the report's ``new_earliest`` and ``DataRemovedError.earliest``
+are record offsets (``streams/batches.py``). A fragment record carries its first offset when its
+writer knew it; where it did not, a ``Consumer`` learns it from the entries
+(``first_offset_of``: the end of the last batch before the fragment). A fragment goes only when
+every record in it is below the limit, i.e. the next fragment's first offset is <= it. When the
+first fragment kept is sealed and its record lacks its first offset, the mark writes it in, so the
+earliest offset stays known without reading data.
 
 **Floors.** Layers above register async callables ``(client, meta) -> int | None`` in the entry
 point group ``scroll.retention_floors`` (the Kafka shim's committed consumer-group offsets, say):
-the lowest position they still need. They are consulted unless the policy says
+the lowest record offset they still need. They are consulted unless the policy says
 ``respect_consumers: false``. A floor that cannot be loaded or raises makes the job skip that
 stream with a warning: an error never deletes anything.
 
-**Age** comes from the timestamp of a fragment's last record (``streams.records``), read from one
-of its replicas; no-ops are skipped (up to a few entries back); an entry that is not a Scroll
-record (a Kafka shim batch) has no known age, which keeps it (use ``max_bytes``/``keep_from``).
+**Age** comes from the max timestamp in the header of a fragment's last batch (every stream's
+entries are record batches, whoever wrote them), read through a ``Consumer`` from its replicas;
+no-ops are skipped. A fragment whose last batch cannot be read has no known age, which keeps it.
 
 **Deletion is two-phase**, so a crash at any point leaves either the old state or a state the next
 run finishes:
 
 1. *Mark.* One CAS of the ledger record that changes only ``first_fragment_index`` (to the first
-   fragment kept) and ``retention["deleting"]`` = {from_index, below_index, below_entry, bookies,
-   started_ms}. From here on readers see the new earliest position at once (a reader below it gets
-   ``DataRemovedError``); the removed fragments' records still exist but are outside the visible
-   range. A writer's concurrent CAS (rollover, ensemble change) is rebased over this change by the
+   fragment kept) and ``retention["deleting"]`` = {from_index, below_index, below_entry,
+   below_offset, bookies, started_ms} (in the same transaction, the first kept fragment's record
+   gains its first offset if it lacked it). From here on readers see the new earliest offset at
+   once (a reader below it gets ``DataRemovedError``); the removed fragments' records still exist
+   but are outside the visible range. A writer's concurrent CAS (rollover, ensemble change) is rebased over this change by the
    writer (``terms.writer``: a CAS that keeps the term and only moves first_fragment_index,
    retention or extra is not a take-over); term, status, last_fragment_index and last_entry_id are
    never touched here.
@@ -45,6 +55,7 @@ A run first finishes any mark it finds, then evaluates the policy again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import time
@@ -52,22 +63,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from bookie.errors import BookieError
-from fragments.ledgers import LedgerStore, NoSuchLedger, fragment_key
+from fragments.ledgers import LedgerStore, NoSuchLedger, fragment_key, meta_key
 from fragments.model import Fragment, LedgerMeta
 from fragments.retention import DELETING, Decision, InvalidPolicy, Policy, evaluate
 from fragments.store import MetadataError
-from terms import entry as entry_codec
-from terms.reader import copy_is_current, read_order
 
-from . import records
-from .errors import InvalidArgument, NoSuchStream
+from .batches import RecordFormatError, stored_batch
+from .consumer import Consumer
+from .errors import InvalidArgument, NoSuchStream, ScrollError
 
 log = logging.getLogger(__name__)
 
 FLOOR_GROUP = "scroll.retention_floors"
 _CAS_ATTEMPTS = 20
 _DROP_BATCH = 100
-_TIMESTAMP_LOOKBACK = 8
+_SCAN_BACK = 16  # entries read at a time when looking back for a fragment's last batch
 
 Floor = Callable  # async (client, meta) -> int | None
 Progress = Callable[[str, str, int, int], None]  # (stage, stream, done, total)
@@ -79,11 +89,14 @@ class StreamReport:
     ledger_id: int
     dry_run: bool = False
     fragments: list[int] = field(default_factory=list)  # indexes removed (or that would be)
-    first_entry: int | None = None
+    first_offset: int | None = None  # the first record offset removed
+    records: int | None = 0  # record offsets removed (None: unknown)
+    first_entry: int | None = None  # entry ids removed (protocol facts; no-ops count)
     last_entry: int | None = None
     entries: int = 0
     bytes: int = 0
-    new_earliest: int | None = None
+    new_earliest: int | None = None  # the earliest record offset once removed
+    new_earliest_entry: int | None = None
     kept_because: str = ""
     completed_pending: list[int] = field(default_factory=list)  # fragments of an interrupted run finished now
     pending: dict | None = None  # a mark still in place (a bookie could not be trimmed)
@@ -108,11 +121,16 @@ class RetentionReport:
         return sum(s.entries for s in self.streams)
 
     @property
+    def records(self) -> int:
+        return sum(s.records or 0 for s in self.streams)
+
+    @property
     def bytes(self) -> int:
         return sum(s.bytes for s in self.streams)
 
     def to_dict(self) -> dict:
-        return {"dry_run": self.dry_run, "fragments": self.fragments, "entries": self.entries, "bytes": self.bytes,
+        return {"dry_run": self.dry_run, "fragments": self.fragments, "records": self.records, "entries": self.entries,
+                "bytes": self.bytes,
                 "streams": [s.to_dict() for s in self.streams]}
 
 
@@ -194,10 +212,11 @@ async def run_retention(client, stream: str | None = None, dry_run: bool = False
 async def apply(client, stream_name: str, keep_from: int, *, dry_run: bool = False,
                 floors: list[tuple[str, Floor]] | None = None, respect_consumers: bool | None = None,
                 _fault: Callable[[str], None] | None = None) -> StreamReport:
-    """Remove the sealed fragments wholly below ``keep_from`` now, whatever the stored policy says
-    (floors still apply unless the stream's policy, or ``respect_consumers``, turns them off)."""
-    if not isinstance(keep_from, int) or keep_from < 0:
-        raise InvalidArgument(f"keep_from must be a position >= 0, got {keep_from!r}")
+    """Remove the sealed fragments whose records are all below record offset ``keep_from`` now,
+    whatever the stored policy says (floors still apply unless the stream's policy, or
+    ``respect_consumers``, turns them off)."""
+    if not isinstance(keep_from, int) or isinstance(keep_from, bool) or keep_from < 0:
+        raise InvalidArgument(f"keep_from must be a record offset >= 0, got {keep_from!r}")
     try:
         meta, _ = await client.cluster.ledgers.get_ledger(stream_name)
     except NoSuchLedger:
@@ -248,26 +267,31 @@ async def _run_stream(client, name: str, override: Policy | None, dry_run: bool,
             log.warning("stream=%s retention skipped (nothing deleted): %s", name, exc)
             return rep
         rep.floors = fl
+        reader = await _reader(client, meta, frags)
+        known = await _with_offsets(reader, frags)
         now = int(time.time() * 1000) if now_ms is None else now_ms
-        stamps = await _last_timestamps(client, meta, frags, policy, now) if policy.max_age_s is not None else {}
-        decision = evaluate(policy, frags, now, fl, stamps)
+        stamps = await _last_timestamps(reader, known, policy, now) if policy.max_age_s is not None else {}
+        decision = evaluate(policy, known, now, fl, stamps)
         _describe(rep, decision)
         if not decision.remove or dry_run:
             return rep
         new_mark = {
             "from_index": meta.first_fragment_index,
             "below_index": decision.new_first_index,
-            "below_entry": decision.new_earliest,
+            "below_entry": decision.new_earliest_entry,
+            "below_offset": decision.new_earliest,
             "bookies": sorted({b for f in decision.remove for b in f.ensemble}),
             "started_ms": now,
         }
         retention = dict(meta.retention)
         retention[DELETING] = new_mark
         marked = meta.with_(first_fragment_index=decision.new_first_index, retention=retention)
-        if await ledgers.cas_ledger(marked, (), version) is None:
+        stored = next(f for f in frags if f.index == decision.new_first_index)
+        if not await _cas_mark(ledgers, marked, version, stored, decision.keep_first):
             continue  # the writer (or someone) changed the record: look again
-        log.info("stream=%s retention: removing fragments %s..%s (entries < %s)", name, new_mark["from_index"],
-                 new_mark["below_index"] - 1, new_mark["below_entry"])
+        log.info("stream=%s retention: removing fragments %s..%s (offsets < %s, entries < %s)", name,
+                 new_mark["from_index"], new_mark["below_index"] - 1, new_mark["below_offset"],
+                 new_mark["below_entry"])
         if fault:
             fault("marked")
         try:
@@ -282,12 +306,54 @@ async def _run_stream(client, name: str, override: Policy | None, dry_run: bool,
 
 def _describe(rep: StreamReport, d: Decision) -> None:
     rep.fragments = [f.index for f in d.remove]
+    rep.first_offset = d.remove[0].first_offset if d.remove else None
+    rep.records = d.records
     rep.entries = d.entries
     rep.bytes = d.bytes
     rep.first_entry = d.remove[0].first_entry_id if d.remove else None
     rep.last_entry = d.remove[-1].last_entry_id if d.remove else None
     rep.new_earliest = d.new_earliest
+    rep.new_earliest_entry = d.new_earliest_entry
     rep.kept_because = d.kept_because
+
+
+async def _reader(client, meta: LedgerMeta, frags: list[Fragment]) -> Consumer:
+    """A consumer over exactly the fragments being judged (it reads entries, never moves)."""
+    await client.cluster.refresh_bookies(max_age_s=1.0)
+    reader = Consumer(client.cluster, meta)
+    reader.fragments = list(frags)
+    return reader
+
+
+async def _with_offsets(reader: Consumer, frags: list[Fragment]) -> list[Fragment]:
+    """The fragments with every first offset the records lack filled in by the consumer (left
+    None when no replica answers: ``evaluate`` keeps what it cannot decide)."""
+    out = []
+    for f in frags:
+        if f.first_offset is None:
+            try:
+                f = dataclasses.replace(f, first_offset=await reader.first_offset_of(f))
+            except (ScrollError, BookieError, RecordFormatError) as exc:
+                log.warning("stream=%s fragment %d: first offset unknown: %s", reader.name, f.index, exc)
+        out.append(f)
+    return out
+
+
+async def _cas_mark(ledgers: LedgerStore, marked: LedgerMeta, version: int, stored: Fragment,
+                    keep_first: Fragment) -> bool:
+    """The mark's CAS. If the first kept fragment is sealed and its record lacks the first offset
+    the consumer learnt, the same transaction writes it in (comparing that record's version too,
+    so a concurrent ensemble move is not undone)."""
+    if stored.first_offset is None and keep_first.first_offset is not None and stored.sealed:
+        key = fragment_key(marked.ledger_id, stored.index)
+        cur = await ledgers.store.get(key)
+        if cur is not None and Fragment.from_json(cur.value) == stored:
+            filled = dataclasses.replace(stored, first_offset=keep_first.first_offset)
+            res = await ledgers.store.txn({meta_key(marked.ledger_id): version, key: cur.version},
+                                          {meta_key(marked.ledger_id): marked.to_json().encode(),
+                                           key: filled.to_json().encode()})
+            return res.succeeded
+    return await ledgers.cas_ledger(marked, (), version) is not None
 
 
 async def _finish(client, ledger_id: int, mark: dict, progress: Progress | None, fault) -> list[int]:
@@ -342,16 +408,19 @@ async def _drop(ledgers: LedgerStore, ledger_id: int, mark: dict) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ ages
-async def _last_timestamps(client, meta: LedgerMeta, frags: list[Fragment], policy: Policy,
+async def _last_timestamps(reader: Consumer, frags: list[Fragment], policy: Policy,
                            now_ms: int) -> dict[int, int | None]:
-    """Timestamps of the last records of the front fragments, read only until the first one that
-    is too young (or unknown): the walk in ``evaluate`` stops there anyway."""
+    """Max timestamps of the last batches of the front fragments, read only until the first one
+    that is too young (or unknown): the walk in ``evaluate`` stops there anyway. A fragment that
+    holds no record needs none."""
     out: dict[int, int | None] = {}
     limit = now_ms - policy.max_age_s * 1000
-    for f in frags[:-1]:
+    for f, nxt in zip(frags, frags[1:]):
         if not f.sealed:
             break
-        ts = await fragment_last_timestamp(client.cluster, meta, f)
+        if f.first_offset is not None and nxt.first_offset == f.first_offset:
+            continue  # no-ops only
+        ts = await _last_batch_timestamp(reader, f)
         out[f.index] = ts
         if ts is None or ts > limit:
             break
@@ -359,36 +428,33 @@ async def _last_timestamps(client, meta: LedgerMeta, frags: list[Fragment], poli
 
 
 async def fragment_last_timestamp(cluster, meta: LedgerMeta, f: Fragment) -> int | None:
-    """The timestamp of the newest record in a sealed fragment (None: none readable/decodable)."""
-    eid = f.last_entry_id
-    stop = max(f.first_entry_id, eid - _TIMESTAMP_LOOKBACK)
-    while eid >= stop:
-        data = await _read_entry(cluster, meta, f, eid)
-        if data is None:
-            return None
-        if not entry_codec.is_noop(data):
-            try:
-                recs = records.decode_entry(entry_codec.payload_of(data), eid)  # a Kafka batch holds several
-            except (records.RecordFormatError, ValueError):
-                return None
-            if recs:
-                return max(r.timestamp_ms for r in recs)
-        eid -= 1
-    return None
-
-
-async def _read_entry(cluster, meta: LedgerMeta, f: Fragment, eid: int) -> bytes | None:
+    """The max timestamp of the last batch in sealed fragment ``f`` (None: no batch readable)."""
     await cluster.refresh_bookies(max_age_s=1.0)
-    for b in read_order(f, eid, meta.config.write_quorum):
-        bc = cluster.client(b)
-        if bc is None:
-            continue
-        try:
-            r = await bc.read(meta.ledger_id, eid, eid)
-        except BookieError:
-            continue
-        if r.entries and r.entries[0].entry_id == eid and copy_is_current(f, r.entries[0].entry_term):
-            return r.entries[0].data
+    reader = Consumer(cluster, meta)
+    reader.fragments = await cluster.ledgers.fragments(meta.ledger_id, meta.first_fragment_index,
+                                                       meta.last_fragment_index)
+    return await _last_batch_timestamp(reader, f)
+
+
+async def _last_batch_timestamp(reader: Consumer, f: Fragment) -> int | None:
+    hi = f.last_entry_id
+    try:
+        while hi is not None and hi >= f.first_entry_id:
+            lo = max(f.first_entry_id, hi - _SCAN_BACK + 1)
+            got, at = [], lo
+            while at <= hi:
+                part = await reader.read_raw(at, hi)
+                if not part:
+                    break
+                got.extend(part)
+                at = part[-1].entry_id + 1
+            for e in reversed(got):
+                b = stored_batch(e.entry_id, e.data)
+                if b is not None:
+                    return b.max_timestamp
+            hi = lo - 1
+    except (ScrollError, BookieError, RecordFormatError) as exc:
+        log.info("stream=%s fragment %d: age unknown: %s", reader.name, f.index, exc)
     return None
 
 

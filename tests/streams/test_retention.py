@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,8 @@ import pytest
 
 from bookie.client import BookieClient
 from bookie.errors import NoSuchEntryError, NoSuchLedgerError
-from fragments.ledgers import fragments_prefix
+from fragments.ledgers import fragment_key, fragments_prefix
+from fragments.model import Fragment
 from fragments.retention import DELETING
 from streams import retention
 from streams.client import connect
@@ -47,15 +49,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def make(client, stream, n, per_fragment=10, value=b"v", retention_=None, timestamps=None):
-    """A stream with n records (positions 1..n: 0 is the first take-over's no-op), fragments of
-    ``per_fragment`` entries; returns the still open producer."""
+async def make(client, stream, n, per_fragment=10, per_entry=1, value=b"v", retention_=None, timestamps=None):
+    """A stream with n records, ``per_entry`` records per entry (one batch each), fragments of
+    ``per_fragment`` entries; returns the still open producer. Entry 0 is the first take-over's
+    no-op (it takes no offset), so fragment k >= 1 starts at offset (per_fragment * k - 1) * per_entry."""
     await client.create_stream(stream, ensemble=3, write_quorum=3, ack_quorum=2, fragment_entries_max=per_fragment,
                                retention=retention_)
     p = await client.producer(stream)
-    futs = [await p.append_future(value if isinstance(value, bytes) else value(i), timestamp_ms=(timestamps or {}).get(i))
-            for i in range(n)]
-    await asyncio.gather(*futs)
+    for start in range(0, n, per_entry):
+        await p.append_many([(value if isinstance(value, bytes) else value(i), None, None,
+                              (timestamps or {}).get(i)) for i in range(start, min(n, start + per_entry))])
     await p.flush()
     return p
 
@@ -85,9 +88,11 @@ async def assert_consistent(client, cluster, stream):
     indexes = sorted(int(k.rsplit("/", 1)[1]) for k in keys)
     assert indexes == list(range(meta.first_fragment_index, meta.last_fragment_index + 1))
     info = await client.describe_stream(stream)
-    earliest = info.fragments[0].first_entry_id
-    assert await bookie_entries(cluster, meta.ledger_id, earliest) == {f"bookie-{i}": [] for i in range(3)}
+    earliest_entry = info.fragments[0].first_entry_id
+    assert await bookie_entries(cluster, meta.ledger_id, earliest_entry) == {f"bookie-{i}": [] for i in range(3)}
     c = await client.consumer(stream, start="earliest")
+    earliest = c.position
+    assert earliest == await c.earliest_offset() == info.fragments[0].first_offset  # known without reading data
     end = await c.end_position()
     got = []
     while c.position < end:
@@ -101,32 +106,35 @@ def test_keep_from_bytes_and_age_remove_exactly_the_expected_sealed_fragments(rc
         now = int(time.time() * 1000)
         s_keep, s_bytes, s_age, s_all = name("keep"), name("bytes"), name("age"), name("all")
         producers = [
-            await make(client, s_keep, 45, retention_={"keep_from": 25}),
+            # 3 records per entry: fragments hold offsets 0..26 | 27..56 | 57..86 | 87..89 (open)
+            await make(client, s_keep, 90, per_entry=3, retention_={"keep_from": 60}),
             await make(client, s_bytes, 45, value=b"x" * 100, retention_={"max_bytes": 2200}),
-            # records 0..24 (positions 1..25) are two hours old, the rest new
+            # records 0..24 are two hours old, the rest new; offsets 0..8 | 9..18 | 19..28 | ...
             await make(client, s_age, 45, timestamps={i: now - 7_200_000 for i in range(25)},
                        retention_={"max_age_s": 3600}),
             await make(client, s_all, 45, retention_={"keep_from": 10_000}),
         ]
         before = {s: await client.describe_stream(s) for s in (s_keep, s_bytes, s_age, s_all)}
+        assert [f.first_offset for f in before[s_keep].fragments] == [0, 27, 57, 87]
         report = await retention.run_retention(client, floors=NO_FLOORS)
         by = {r.stream: r for r in report.streams}
-        # fragments hold 10 entries: 0..9, 10..19, ...; the open one starts at 40
-        assert by[s_keep].fragments == [0, 1] and by[s_keep].new_earliest == 20
-        assert by[s_keep].kept_because == "keep_from 25"
+        # fragment 2 starts at offset 57 and holds 60: it stays; 0..1 hold only offsets below 60
+        assert by[s_keep].fragments == [0, 1] and by[s_keep].new_earliest == 57
+        assert by[s_keep].kept_because == "keep_from 60" and by[s_keep].records == 57 and by[s_keep].entries == 20
+        assert (by[s_keep].first_entry, by[s_keep].last_entry, by[s_keep].new_earliest_entry) == (0, 19, 20)
         sizes = [f.size_bytes for f in before[s_bytes].fragments]
         expect = [i for i in range(len(sizes) - 1) if sum(s or 0 for s in sizes[i + 1:]) >= 2200]
         assert by[s_bytes].fragments == expect and expect == list(range(len(expect))) and expect
         assert by[s_bytes].bytes == sum(sizes[: len(expect)])
-        assert by[s_age].fragments == [0, 1] and by[s_age].new_earliest == 20  # 20..29 holds position 26 (new)
+        assert by[s_age].fragments == [0, 1] and by[s_age].new_earliest == 19  # 19..28 holds offset 25 (new)
         last = before[s_all].fragments[-1]
         assert not last.sealed and by[s_all].fragments == [f.index for f in before[s_all].fragments[:-1]]
-        for s in (s_keep, s_bytes, s_age, s_all):
+        for s, n in ((s_keep, 90), (s_bytes, 45), (s_age, 45), (s_all, 45)):
             earliest, got = await assert_consistent(client, rcluster, s)
             assert earliest == by[s].new_earliest
-            assert [r.position for r in got] == list(range(max(1, earliest), 46))
+            assert [r.offset for r in got] == list(range(earliest, n))
         # the open fragment stays whatever the policy, and the producer keeps writing
-        assert await producers[3].append(b"after") == 46
+        assert await producers[3].append(b"after") == 45
         again = await retention.run_retention(client, s_keep, floors=NO_FLOORS)
         assert again.streams[0].fragments == []
         for p in producers:
@@ -136,24 +144,52 @@ def test_keep_from_bytes_and_age_remove_exactly_the_expected_sealed_fragments(rc
     run(go())
 
 
-def test_reader_at_a_removed_position_gets_data_removed_error_with_the_new_earliest(rcluster):
+def test_reader_below_the_kept_offsets_gets_data_removed_error_with_the_new_earliest(rcluster):
     async def go():
         client = await connect(rcluster.metadata_url)
         s = name("reader")
-        p = await make(client, s, 35)
+        p = await make(client, s, 60, per_entry=2)  # offsets 0..17 | 18..37 | 38..57 | 58..59 (open)
         old = await client.consumer(s, start=1)
-        assert [r.position for r in await old.read(3)] == [1, 2, 3]  # caches fragments 0..3
-        rep = await retention.apply(client, s, keep_from=20, floors=NO_FLOORS)
-        assert rep.fragments == [0, 1] and rep.new_earliest == 20
+        assert [r.offset for r in await old.read(3)] == [1, 2, 3]  # caches fragments 0..3
+        rep = await retention.apply(client, s, keep_from=40, floors=NO_FLOORS)
+        assert rep.fragments == [0, 1] and rep.new_earliest == 38 and rep.records == 38
+        got = []
         with pytest.raises(DataRemovedError) as e:
-            await old.read(5)
-        assert e.value.earliest == 20
-        fresh = await client.consumer(s, start=5)
+            for _ in range(10):
+                got.extend(r.offset for r in await old.read(5))  # what it had read before, then the gap
+        assert e.value.earliest == 38 and got == list(range(4, 4 + len(got)))
         with pytest.raises(DataRemovedError) as e:
-            await fresh.read(5)
-        assert e.value.earliest == 20
+            await client.consumer(s, start=5)
+        assert e.value.earliest == 38
         first = await client.consumer(s, start="earliest")
-        assert first.position == 20 and [r.position for r in await first.read(3)] == [20, 21, 22]
+        assert first.position == 38 and [r.offset for r in await first.read(3)] == [38, 39, 40]
+        assert [r.offset for r in await (await client.consumer(s, start=38)).read(1)] == [38]
+        await p.close()
+        await client.close()
+
+    run(go())
+
+
+def test_the_mark_records_the_first_offset_the_kept_fragment_lacked(rcluster):
+    """A fragment record written by a writer that did not know its first offset (one placed
+    during a take-over's recovery) gets it from the mark's transaction, so the new earliest offset
+    is known from metadata alone."""
+    async def go():
+        client = await connect(rcluster.metadata_url)
+        s = name("fill")
+        p = await make(client, s, 45, per_entry=2)  # offsets 0..17 | 18..37 | 38..44 (open, from entry 20)
+        meta, _ = await client.cluster.ledgers.get_ledger(s)
+        f1 = await client.cluster.ledgers.get_fragment(meta.ledger_id, 1)
+        assert f1.sealed and f1.first_offset == 18
+        key = fragment_key(meta.ledger_id, 1)
+        unknown = dataclasses.replace(f1, first_offset=None)
+        await client.cluster.store.txn({}, {key: unknown.to_json().encode()}, ())
+        assert Fragment.from_json(unknown.to_json()).first_offset is None
+        rep = await retention.apply(client, s, keep_from=30, floors=NO_FLOORS)
+        assert rep.fragments == [0] and rep.new_earliest == 18  # learnt from the entries
+        assert (await client.cluster.ledgers.get_fragment(meta.ledger_id, 1)).first_offset == 18
+        earliest, got = await assert_consistent(client, rcluster, s)
+        assert earliest == 18 and [r.offset for r in got] == list(range(18, 45))
         await p.close()
         await client.close()
 
@@ -179,12 +215,12 @@ def test_disk_space_is_reclaimed_on_the_bookies(rcluster):
     async def go():
         client = await connect(rcluster.metadata_url)
         s = name("disk")
-        p = await make(client, s, 600, per_fragment=100, value=lambda i: os.urandom(8000))
+        p = await make(client, s, 600, per_fragment=100, value=lambda i: os.urandom(8000))  # offsets 100k - 1 ..
         await p.close()
         await asyncio.sleep(1.5)  # flushed to entry logs
         before = [_disk(rcluster, i) for i in range(3)]
         rep = await retention.apply(client, s, keep_from=550, floors=NO_FLOORS)
-        assert rep.fragments == [0, 1, 2, 3, 4] and rep.bytes >= 499 * 8000
+        assert rep.fragments == [0, 1, 2, 3, 4] and rep.bytes >= 499 * 8000 and rep.new_earliest == 499
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             after = [_disk(rcluster, i) for i in range(3)]
@@ -193,7 +229,7 @@ def test_disk_space_is_reclaimed_on_the_bookies(rcluster):
             await asyncio.sleep(0.25)
         assert all(b - a >= 0.8 * rep.bytes for a, b in zip(after, before)), (before, after, rep.bytes)
         earliest, got = await assert_consistent(client, rcluster, s)
-        assert earliest == 500 and len(got) == 101
+        assert earliest == 499 and len(got) == 101
         await client.close()
 
     run(go())
@@ -222,15 +258,16 @@ def test_a_crash_after_any_phase_is_finished_by_the_next_run(rcluster, point):
         meta, _ = await client.cluster.ledgers.get_ledger(s)
         # readers already see the new earliest; the mark says what is left to do
         assert meta.first_fragment_index == 3 and meta.retention[DELETING]["below_entry"] == 30
+        assert meta.retention[DELETING]["below_offset"] == 29
         assert meta.term == meta0.term and meta.last_fragment_index == meta0.last_fragment_index
         c = await client.consumer(s, start="earliest")
-        assert c.position == 30
+        assert c.position == 29
         # the next run (any run) finishes the job before evaluating policies
         rep = (await retention.run_retention(client, s, floors=NO_FLOORS)).streams[0]
         assert rep.completed_pending == [0, 1, 2] and rep.fragments == []
         earliest, got = await assert_consistent(client, rcluster, s)
-        assert earliest == 30 and [r.position for r in got] == list(range(30, 46))
-        assert await p.append(b"still writing") == 46
+        assert earliest == 29 and [r.offset for r in got] == list(range(29, 45))
+        assert await p.append(b"still writing") == 45
         await p.close()
         await client.close()
 
@@ -257,7 +294,7 @@ def test_a_bookie_down_keeps_the_mark_and_the_next_run_trims_it(rcluster):
         rep = (await retention.run_retention(client, s, floors=NO_FLOORS)).streams[0]
         assert rep.completed_pending == [0, 1] and rep.skipped is None
         earliest, got = await assert_consistent(client, rcluster, s)  # bookie-2 holds nothing below 20
-        assert earliest == 20 and len(got) == 16
+        assert earliest == 19 and len(got) == 16
         await client.close()
 
     run(go())
@@ -270,7 +307,7 @@ def test_dry_run_changes_nothing(rcluster):
         p = await make(client, s, 35, retention_={"keep_from": 30})
         meta, version = await client.cluster.ledgers.get_ledger(s)
         rep = (await retention.run_retention(client, s, dry_run=True, floors=NO_FLOORS)).streams[0]
-        assert rep.dry_run and rep.fragments == [0, 1, 2] and rep.new_earliest == 30
+        assert rep.dry_run and rep.fragments == [0, 1, 2] and rep.new_earliest == 29
         assert await client.cluster.ledgers.get_ledger(s) == (meta, version)
         assert (await bookie_entries(rcluster, meta.ledger_id, 3))["bookie-0"] == [0, 1, 2]
         await p.close()
@@ -334,15 +371,15 @@ def test_retention_does_not_disturb_an_active_producer(rcluster):
         while runs < 8 and time.monotonic() < deadline:
             await asyncio.sleep(0.15)
             if acked:
-                rep = await retention.apply(client, s, keep_from=max(1, acked[-1] - 30), floors=NO_FLOORS)
+                rep = await retention.apply(client, s, keep_from=max(0, acked[-1] - 30), floors=NO_FLOORS)
                 runs += 1 if rep.fragments else 0
         stop.set()
         await task
         assert runs == 8
-        assert p.term == term and acked == list(range(1, len(acked) + 1))
+        assert p.term == term and acked == list(range(len(acked)))
         await p.close()  # quiescent first: the last append may still roll the fragment over
         earliest, got = await assert_consistent(client, rcluster, s)
-        assert [r.position for r in got] == list(range(earliest, acked[-1] + 1))
+        assert [r.offset for r in got] == list(range(earliest, acked[-1] + 1))
         await client.close()
 
     run(go())
@@ -370,11 +407,17 @@ def test_cli_set_show_run(rcluster):
     assert out["retention"] == {"max_age_s": 604800.0, "max_bytes": 10 << 30, "respect_consumers": True}
     cli(rcluster, "retention", "set", s, "--clear", "--keep-from", "20", "--ignore-consumers")
     shown = json.loads(cli(rcluster, "retention", "show", s, "--json").stdout)
-    assert shown["retention"] == {"keep_from": 20, "respect_consumers": False} and shown["earliest"] == 0
+    assert shown["retention"] == {"keep_from": 20, "respect_consumers": False} and shown["earliest_offset"] == 0
+    assert shown["end_offset"] == 35
     dry = json.loads(cli(rcluster, "retention", "run", "--stream", s, "--dry-run", "--json").stdout)
     assert dry["dry_run"] and dry["streams"][0]["fragments"] == [0, 1] and dry["entries"] == 20
+    assert dry["records"] == 19 and dry["streams"][0]["new_earliest"] == 19
     human = cli(rcluster, "retention", "run", "--stream", s).stdout.decode()
-    assert "removed 2 fragments, 20 entries" in human and "retention" in human and "0..19" in human
+    assert "removed 2 fragments, 19 records (20 entries)" in human and "retention" in human and "0..18" in human
+    assert json.loads(cli(rcluster, "retention", "show", s, "--json").stdout)["earliest_offset"] == 19
+    below = cli(rcluster, "consume", s, "--from", "3", check=False)
+    assert below.returncode == 1 and b"offset 3 of" in below.stderr and b"the earliest is 19" in below.stderr
+    assert cli(rcluster, "consume", s, "--from", "19", "--max", "1").stdout == b"v\n"
     bad = cli(rcluster, "retention", "set", s, "--max-age", "a week", check=False)
     assert bad.returncode == 2 and b"not a duration" in bad.stderr and b"Traceback" not in bad.stderr
     missing = cli(rcluster, "retention", "run", "--stream", "no-such-stream", check=False)
