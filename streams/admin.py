@@ -49,7 +49,8 @@ from terms.messages import AddRequest
 from terms.quorum import write_set, write_set_indexes
 from terms.reader import copy_is_current
 
-from . import records
+from .batches import RecordFormatError, records_of, stored_batch
+from .driver import WriterDriver
 from .errors import InvalidArgument, NoSuchStream, ScrollError
 
 log = logging.getLogger(__name__)
@@ -80,20 +81,27 @@ async def _visible(client, meta: LedgerMeta) -> list[Fragment]:
 
 # ------------------------------------------------------------------------------------ ledger show
 async def ledger_show(client, name: str) -> dict:
+    """The ledger record and its fragments. Record offsets (earliest, end, each fragment's first
+    offset and record count) are what users see; entry ids and the LAC are the protocol's."""
     meta, version = await _meta(client, name)
     frags = await _visible(client, meta)
     c = await client.consumer(name, start="latest")
+    end = c.position
     d = asdict(meta)
     d["status"] = meta.status.value
     d["version"] = version
-    d["earliest"] = frags[0].first_entry_id if frags else 0
-    d["end_position"] = c.position
-    d["lac"] = c.position - 1
+    d["earliest_offset"] = await c.earliest_offset()
+    d["end_offset"] = end
+    d["earliest_entry"] = frags[0].first_entry_id if frags else 0
+    d["lac"] = c.lac
+    firsts = [await c.first_offset_of(f) for f in frags]
     d["fragments"] = [
         {"index": f.index, "first_entry_id": f.first_entry_id, "last_entry_id": f.last_entry_id,
          "sealed": f.sealed, "ensemble": list(f.ensemble), "size_bytes": f.size_bytes, "created_term": f.created_term,
-         "entries": (f.last_entry_id - f.first_entry_id + 1) if f.sealed else max(0, c.position - f.first_entry_id)}
-        for f in frags
+         "entries": (f.last_entry_id - f.first_entry_id + 1) if f.sealed else max(0, c.lac + 1 - f.first_entry_id),
+         "first_offset": firsts[i], "first_offset_recorded": f.first_offset is not None,
+         "records": (firsts[i + 1] if i + 1 < len(frags) else end) - firsts[i]}
+        for i, f in enumerate(frags)
     ]
     return d
 
@@ -156,12 +164,15 @@ async def _copies(cluster, meta: LedgerMeta, f: Fragment, first: int, last: int)
 
 
 def _preview(data: bytes, n: int = 32) -> str:
+    """An entry as a person wants to see it: a no-op as such, a batch by its first record's value."""
     if entry_codec.is_noop(data):
         return f"<no-op of term {entry_codec.noop_term(data)}>"
     payload = data[1:]
     try:
-        payload = records.decode(payload).value
-    except (records.RecordFormatError, ValueError):
+        b = stored_batch(-1, data)
+        recs = records_of(b) if b is not None else []
+        payload = (recs[0].value or b"") if recs else payload
+    except (RecordFormatError, ValueError):
         pass
     try:
         text = payload[:n].decode("utf-8")
@@ -170,6 +181,16 @@ def _preview(data: bytes, n: int = 32) -> str:
     except UnicodeDecodeError:
         pass
     return payload[:n // 2].hex() + ("…" if len(payload) > n // 2 else "")
+
+
+def _offsets(data: bytes) -> tuple[int, int] | None:
+    """(first record offset, record count) from a data entry's batch header; None for a no-op or
+    an entry that is not a batch."""
+    try:
+        b = stored_batch(-1, data)
+    except RecordFormatError:
+        return None
+    return (b.base_offset, b.offset_count) if b is not None else None
 
 
 async def read_replicas(client, name: str, first: int, last: int) -> dict:
@@ -199,6 +220,7 @@ async def read_replicas(client, name: str, first: int, last: int) -> dict:
             if not held and not f.sealed:
                 return _read_result(name, meta, out)  # past the end of the open fragment
             newest = max(held.values(), key=lambda c: c.entry_term) if held else None
+            offs = _offsets(newest.data) if newest else None
             out.append({
                 "entry_id": i, "fragment": f.index,
                 "replicas": {b: ({"term": c.entry_term, "size": len(c.data)} if isinstance(c, Entry) else {"missing": c})
@@ -207,6 +229,7 @@ async def read_replicas(client, name: str, first: int, last: int) -> dict:
                 "mismatch": len({c.data for c in held.values()}) > 1,
                 "size": len(newest.data) if newest else None,
                 "noop": bool(newest and entry_codec.is_noop(newest.data)),
+                "first_offset": offs[0] if offs else None, "records": offs[1] if offs else 0,
                 "preview": _preview(newest.data) if newest else None,
             })
         eid = upto + 1
@@ -219,31 +242,37 @@ def _read_result(name: str, meta: LedgerMeta, out: list) -> dict:
 
 
 async def force_recovery(client, name: str) -> dict:
-    """Take the stream over (fence, recover, truncate no-op) and close the producer again."""
+    """Take the stream over (fence, recover, truncate no-op) and close the writer again. The
+    stream itself, also when it is partition 0 of a topic of several (a topic's producer would
+    take every partition over)."""
     meta, _ = await _meta(client, name)
-    p = await client.producer(name)
+    driver = WriterDriver(client.cluster, name)
+    await driver.open()
     try:
-        term, lac = p.term, p.lac
+        term, lac = driver.writer.term, driver.writer.lac
     finally:
-        await p.close()
-    return {"stream": name, "previous_term": meta.term, "term": term, "lac": lac}
+        await driver.close()
+    c = await client.consumer(name, start="latest")
+    return {"stream": name, "previous_term": meta.term, "term": term, "lac": lac, "end_offset": c.position}
 
 
 # ------------------------------------------------------------------------------------ simpletest
-async def simpletest(client, entries: int = 1000, ensemble: int = 3, write_quorum: int = 3, ack_quorum: int = 2,
+async def simpletest(client, records: int = 1000, ensemble: int = 3, write_quorum: int = 3, ack_quorum: int = 2,
                      size: int = 100) -> dict:
-    """Create a temporary stream, write and read back ``entries`` entries, delete it."""
-    if entries < 1 or size < 0:
-        raise InvalidArgument("entries must be >= 1 and size >= 0")
+    """Create a temporary stream, append ``records`` records pipelined (the producer batches them
+    into entries), read them back by offset and verify values and offsets, delete the stream."""
+    if records < 1 or size < 0:
+        raise InvalidArgument("records must be >= 1 and size >= 0")
     name = f"simpletest-{uuid.uuid4().hex[:12]}"
     await client.create_stream(name, ensemble=ensemble, write_quorum=write_quorum, ack_quorum=ack_quorum)
     try:
-        values = [(b"%08d" % i + b"x" * size)[:max(size, 8)] for i in range(entries)]
+        values = [(b"%08d" % i + b"x" * size)[:max(size, 8)] for i in range(records)]
         lat: list[float] = []
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         p = await client.producer(name)
         t_open = time.perf_counter() - t0
+        first_entry = p.lac + 1
         t1 = time.perf_counter()
         futs = []
         for v in values:
@@ -251,31 +280,33 @@ async def simpletest(client, entries: int = 1000, ensemble: int = 3, write_quoru
             fut = await p.append_future(v)
             fut.add_done_callback(lambda _f, s=sent: lat.append(loop.time() - s))
             futs.append(fut)
-        positions = await asyncio.gather(*futs)
+        offsets = await asyncio.gather(*futs)
         t_write = time.perf_counter() - t1
+        entries = p.lac - first_entry + 1
         await p.close()
         t2 = time.perf_counter()
-        c = await client.consumer(name, start=positions[0])
+        c = await client.consumer(name, start=offsets[0])
         got = []
-        while len(got) < entries:
+        while len(got) < records:
             batch = await c.read(1000, timeout_s=5.0)
             if not batch:
                 break
             got.extend(batch)
         t_read = time.perf_counter() - t2
-        ok = [r.value for r in got] == values and [r.position for r in got] == list(positions)
+        ok = [r.value for r in got] == values and [r.offset for r in got] == list(offsets) \
+            and list(offsets) == list(range(offsets[0], offsets[0] + records))
         lat.sort()
         info = await client.describe_stream(name)
         return {
-            "stream": name, "entries": entries, "entry_bytes": len(values[0]), "ensemble": ensemble,
-            "write_quorum": write_quorum, "ack_quorum": ack_quorum,
+            "stream": name, "records": records, "record_bytes": len(values[0]), "entries": entries,
+            "ensemble": ensemble, "write_quorum": write_quorum, "ack_quorum": ack_quorum,
             "bookies": sorted({b for f in info.fragments for b in f.ensemble}),
             "open_s": t_open, "write_s": t_write, "read_s": t_read,
-            "write_entries_per_s": entries / t_write if t_write else None,
-            "read_entries_per_s": len(got) / t_read if t_read else None,
+            "write_records_per_s": records / t_write if t_write else None,
+            "read_records_per_s": len(got) / t_read if t_read else None,
             "latency_ms": {"p50": 1000 * lat[len(lat) // 2], "p99": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
                            "max": 1000 * lat[-1]},
-            "read_back": len(got), "verified": ok,
+            "read_back": len(got), "first_offset": offsets[0], "verified": ok,
         }
     finally:
         await client.delete_stream(name)
@@ -395,7 +426,7 @@ async def check(client, fix: bool = False, stream: str | None = None, progress: 
             continue
         frags = await _visible(client, meta)
         c = await client.consumer(name, start="latest")
-        lac = c.position - 1
+        lac = c.lac
         live = {r.bookie_id for r in await cluster.refresh_bookies()}
         for f in frags:
             last = f.last_entry_id if f.sealed else lac
