@@ -29,11 +29,15 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 def main() -> None:
     """Scroll: unbounded replicated streams with terms and truncate-on-take-over.
 
+    Positions are record offsets: dense from 0 per stream (per topic partition), as in Kafka.
+
     \b
     Examples:
       scroll stream create orders --ensemble 3 --write-quorum 3 --ack-quorum 2
       printf 'a\\nb\\n' | scroll produce orders
       scroll consume orders --from earliest
+      scroll topic create clicks --partitions 4
+      printf 'x\\n' | scroll produce clicks --key user-7
       scroll fragments orders
     """
     _exit_with_parent()
@@ -79,9 +83,11 @@ def _fail(exc: Exception) -> click.ClickException:
 
 
 def _console():
+    """Tables on stdout; piped (no terminal, no COLUMNS) they get 160 columns rather than rich's 80."""
     from rich.console import Console
 
-    return Console()
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=160) if wide else Console()
 
 
 def _meta_dict(meta) -> dict:
@@ -96,32 +102,46 @@ def stream() -> None:
     """Create, list, describe and delete streams."""
 
 
+def _stream_options(fn):
+    """Replication and rollover options shared by ``stream create`` and ``topic create``."""
+    for opt in reversed([
+        click.option("--ensemble", "-e", default=3, show_default=True, help="Bookies per fragment (E)."),
+        click.option("--write-quorum", "-w", default=3, show_default=True, help="Copies of each entry (WQ)."),
+        click.option("--ack-quorum", "-a", default=2, show_default=True,
+                     help="Copies before an append is acknowledged (AQ)."),
+        click.option("--fragment-bytes", default=64 << 20, show_default=True, help="Seal a fragment at this many bytes."),
+        click.option("--fragment-entries", default=1_000_000, show_default=True, help="... or at this many entries."),
+        click.option("--retention-max-age", type=float, help="Retention: remove sealed fragments older than this (s)."),
+        click.option("--retention-max-bytes", type=int, help="Retention: keep at most this many bytes."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _retention_dict(max_age, max_bytes) -> dict | None:
+    retention = {}
+    if max_age is not None:
+        retention["max_age_s"] = max_age
+    if max_bytes is not None:
+        retention["max_bytes"] = max_bytes
+    return retention or None
+
+
 @stream.command("create")
 @click.argument("name")
-@click.option("--ensemble", "-e", default=3, show_default=True, help="Bookies per fragment (E).")
-@click.option("--write-quorum", "-w", default=3, show_default=True, help="Copies of each entry (WQ).")
-@click.option("--ack-quorum", "-a", default=2, show_default=True, help="Copies before an append is acknowledged (AQ).")
-@click.option("--fragment-bytes", default=64 << 20, show_default=True, help="Seal a fragment at this many bytes.")
-@click.option("--fragment-entries", default=1_000_000, show_default=True, help="... or at this many entries.")
-@click.option("--retention-max-age", type=float, help="Retention: remove sealed fragments older than this (s).")
-@click.option("--retention-max-bytes", type=int, help="Retention: keep at most this many bytes.")
+@_stream_options
 @metadata_option
 @json_option
 def stream_create(name, ensemble, write_quorum, ack_quorum, fragment_bytes, fragment_entries, retention_max_age,
                   retention_max_bytes, metadata, as_json):
-    """Create a stream."""
+    """Create a stream (a one-partition topic of the same name, readable by Kafka clients)."""
     from .errors import ScrollError
 
-    retention = {}
-    if retention_max_age is not None:
-        retention["max_age_s"] = retention_max_age
-    if retention_max_bytes is not None:
-        retention["max_bytes"] = retention_max_bytes
     with _client(metadata) as c:
         try:
             info = c.create_stream(name, ensemble=ensemble, write_quorum=write_quorum, ack_quorum=ack_quorum,
                                    fragment_bytes_max=fragment_bytes, fragment_entries_max=fragment_entries,
-                                   retention=retention or None)
+                                   retention=_retention_dict(retention_max_age, retention_max_bytes))
         except ScrollError as exc:
             raise _fail(exc) from exc
     if as_json:
@@ -134,7 +154,7 @@ def stream_create(name, ensemble, write_quorum, ack_quorum, fragment_bytes, frag
 @metadata_option
 @json_option
 def stream_list(metadata, as_json):
-    """List streams."""
+    """List streams (every partition of every topic is one)."""
     with _client(metadata) as c:
         metas = c.list_streams()
     if as_json:
@@ -151,23 +171,29 @@ def stream_list(metadata, as_json):
     _console().print(t)
 
 
+async def _offsets_of(client, name: str) -> tuple[int, int]:
+    """(earliest offset, end offset) of a stream: the first record retention kept, and one past
+    the last readable record (the offset the next append gets)."""
+    c = await client.consumer(name, start="latest")
+    return await c.earliest_offset(), c.position
+
+
 @stream.command("describe")
 @click.argument("name")
 @metadata_option
 @json_option
 def stream_describe(name, metadata, as_json):
-    """Show a stream's configuration, term and status."""
-    from .errors import ScrollError
+    """Show a stream's configuration, term, status and offsets."""
 
-    with _client(metadata) as c:
-        try:
-            info = c.describe_stream(name)
-            end = c.consumer(name, start="latest").position
-        except ScrollError as exc:
-            raise _fail(exc) from exc
+    async def go(c):
+        info = await c.describe_stream(name)
+        earliest, end = await _offsets_of(c, name)
+        return info, earliest, end
+
+    info, earliest, end = _arun(metadata, go)
     d = _meta_dict(info.meta)
-    d.update(end_position=end, earliest_position=info.fragments[0].first_entry_id if info.fragments else 0,
-             fragments=len(info.fragments), bytes_in_sealed_fragments=info.bytes)
+    d.update(earliest_offset=earliest, end_offset=end, records=end - earliest, fragments=len(info.fragments),
+             bytes_in_sealed_fragments=info.bytes)
     if as_json:
         click.echo(json.dumps(d))
     else:
@@ -190,75 +216,281 @@ def stream_delete(name, metadata):
     click.echo(f"deleted stream {name!r}")
 
 
-# ---------------------------------------------------------------------------------------- data
-@main.command()
-@click.argument("stream_name", metavar="STREAM")
-@click.option("--file", "files", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="Append each file as one record (instead of stdin lines).")
-@click.option("--key", default=None, help="Key for every record.")
+# ---------------------------------------------------------------------------------------- topics
+@main.group()
+def topic() -> None:
+    """Create, list, describe and delete topics (named sets of partition streams).
+
+    Partition 0 of topic T is the stream T, partition P > 0 the stream T:P. Kafka clients see the
+    same topics; a stream created alone is a one-partition topic.
+
+    \b
+    Examples:
+      scroll topic create clicks --partitions 4 --ensemble 3
+      scroll topic describe clicks
+      printf 'x\\n' | scroll produce clicks --key user-7
+      scroll consume clicks --partition 2 --from earliest
+    """
+
+
+@topic.command("create")
+@click.argument("name")
+@click.option("--partitions", "-p", default=1, show_default=True, type=click.IntRange(1), help="Partition streams.")
+@click.option("--config", "configs", multiple=True, metavar="KEY=VALUE", help="A topic config (repeatable).")
+@_stream_options
 @metadata_option
 @json_option
-def produce(stream_name, files, key, metadata, as_json):
-    """Append stdin lines (or files) to STREAM, one record each."""
-    from .errors import ScrollError
+def topic_create(name, partitions, configs, ensemble, write_quorum, ack_quorum, fragment_bytes, fragment_entries,
+                 retention_max_age, retention_max_bytes, metadata, as_json):
+    """Create a topic of N partition streams."""
+    cfg = dict(_pair(c, "--config") for c in configs)
 
-    values = [open(f, "rb").read() for f in files] if files else [ln.rstrip(b"\n") for ln in sys.stdin.buffer]
-    with _client(metadata) as c:
-        try:
-            with c.producer(stream_name) as p:
-                kb = key.encode() if key is not None else None
-                positions = p.append_many(values) if kb is None else [p.append(v, key=kb) for v in values]
-        except ScrollError as exc:
-            raise _fail(exc) from exc
+    async def go(c):
+        return await c.create_topic(name, partitions, cfg, ensemble=ensemble, write_quorum=write_quorum,
+                                    ack_quorum=ack_quorum, fragment_bytes_max=fragment_bytes,
+                                    fragment_entries_max=fragment_entries,
+                                    retention=_retention_dict(retention_max_age, retention_max_bytes))
+
+    t = _arun(metadata, go)
     if as_json:
-        click.echo(json.dumps({"stream": stream_name, "positions": positions}))
+        click.echo(json.dumps(_topic_dict(t)))
     else:
-        click.echo(f"appended {len(positions)} records to {stream_name!r}"
-                   + (f" at {positions[0]}..{positions[-1]}" if positions else ""), err=True)
+        click.echo(f"created topic {name!r} with {t.partitions} partition{'s' if t.partitions != 1 else ''} "
+                   f"(streams {', '.join(t.streams()[:4])}{', ...' if t.partitions > 4 else ''})")
+
+
+def _pair(text: str, option: str) -> tuple[str, str]:
+    k, sep, v = text.partition("=")
+    if not sep or not k:
+        raise click.BadParameter(f"expected KEY=VALUE, got {text!r}", param_hint=option)
+    return k, v
+
+
+def _topic_dict(t) -> dict:
+    return {"name": t.name, "partitions": t.partitions, "topic_id": str(t.topic_id), "configs": t.configs,
+            "streams": t.streams()}
+
+
+@topic.command("list")
+@metadata_option
+@json_option
+def topic_list(metadata, as_json):
+    """List topics (streams created alone are one-partition topics)."""
+
+    async def go(c):
+        return await c.list_topics()
+
+    topics = _arun(metadata, go)
+    if as_json:
+        click.echo(json.dumps([_topic_dict(t) for t in topics]))
+        return
+    from rich.table import Table
+
+    t = Table("topic", "partitions", "topic id", "configs")
+    for m in topics:
+        t.add_row(m.name, str(m.partitions), str(m.topic_id),
+                  ", ".join(f"{k}={v}" for k, v in sorted(m.configs.items())) or "-")
+    _console().print(t)
+
+
+@topic.command("describe")
+@click.argument("name")
+@metadata_option
+@json_option
+def topic_describe(name, metadata, as_json):
+    """A topic's partitions: stream, earliest and end offsets, term, ensemble of the open fragment."""
+
+    async def go(c):
+        t = await c.describe_topic(name)
+        parts = []
+        for p, s in enumerate(t.streams()):
+            info = await c.describe_stream(s)
+            earliest, end = await _offsets_of(c, s)
+            parts.append({"partition": p, "stream": s, "earliest_offset": earliest, "end_offset": end,
+                          "term": info.meta.term, "status": info.meta.status.value,
+                          "fragments": len(info.fragments),
+                          "ensemble": list(info.fragments[-1].ensemble) if info.fragments else []})
+        return t, parts
+
+    t, parts = _arun(metadata, go)
+    d = {**_topic_dict(t), "partition_info": parts}
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    from rich.table import Table
+
+    click.echo(f"topic {t.name!r}  id {t.topic_id}  partitions {t.partitions}  configs "
+               + (", ".join(f"{k}={v}" for k, v in sorted(t.configs.items())) or "-"))
+    tb = Table("partition", "stream", "earliest", "end", "records", "term", "status", "fragments", "ensemble")
+    for p in parts:
+        tb.add_row(str(p["partition"]), p["stream"], str(p["earliest_offset"]), str(p["end_offset"]),
+                   str(p["end_offset"] - p["earliest_offset"]), str(p["term"]), p["status"], str(p["fragments"]),
+                   ", ".join(p["ensemble"]))
+    _console().print(tb)
+
+
+@topic.command("delete")
+@click.argument("name")
+@metadata_option
+def topic_delete(name, metadata):
+    """Delete a topic and its partition streams (bookies reclaim the data in garbage collection)."""
+
+    async def go(c):
+        t = await c.describe_topic(name)
+        await c.delete_topic(name)
+        return t
+
+    t = _arun(metadata, go)
+    click.echo(f"deleted topic {name!r} ({t.partitions} partition{'s' if t.partitions != 1 else ''})")
+
+
+# ---------------------------------------------------------------------------------------- data
+def _target(name: str, partition: int | None) -> str:
+    from .topics import partition_stream
+
+    if partition is None:
+        return name
+    if ":" in name:
+        raise click.UsageError(f"{name!r} is a partition stream already; --partition goes with a topic name")
+    return partition_stream(name, partition)
 
 
 @main.command()
-@click.argument("stream_name", metavar="STREAM")
-@click.option("--from", "start", default="earliest", show_default=True, help="earliest, latest or a position.")
+@click.argument("stream_name", metavar="NAME")
+@click.option("--file", "files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Append each file as one record (instead of stdin lines).")
+@click.option("--key", default=None, help="Key for every record (a topic's partition is chosen by it).")
+@click.option("--header", "headers", multiple=True, metavar="NAME=VALUE", help="A header for every record (repeatable).")
+@click.option("--partition", "-p", type=click.IntRange(0), default=None,
+              help="Write this partition of topic NAME (default: by key, as Kafka's partitioner).")
+@metadata_option
+@json_option
+def produce(stream_name, files, key, headers, partition, metadata, as_json):
+    """Append stdin lines (or files) to NAME, one record each, and print their offsets.
+
+    NAME is a stream or a topic; the records go out in batches (many records per entry). On a
+    topic of several partitions each record goes to the partition of its key (murmur2, as Kafka
+    clients do), or to one partition for keyless records, unless --partition is given.
+    """
+    hdrs = [(k, v.encode()) for k, v in (_pair(h, "--header") for h in headers)]
+    values = [open(f, "rb").read() for f in files] if files else [ln.rstrip(b"\n") for ln in sys.stdin.buffer]
+    kb = key.encode() if key is not None else None
+    target = _target(stream_name, partition)
+
+    async def go(c):
+        p = await (c.producer(target) if partition is None else c.producer(stream_name, partition=partition))
+        try:
+            got = await p.append_many([(v, kb, hdrs, None) for v in values])
+        finally:
+            await p.close()
+        return got
+
+    got = _arun(metadata, go)
+    pairs = [g if isinstance(g, tuple) else (partition or 0, g) for g in got]  # a topic's producer says which
+    offsets = [o for _, o in pairs]
+    parts = sorted({p for p, _ in pairs})
+    if as_json:
+        d = {"stream": target, "offsets": offsets}
+        if got and isinstance(got[0], tuple):
+            d["partitions"] = [p for p, _ in pairs]
+        click.echo(json.dumps(d))
+        return
+    if not offsets:
+        click.echo(f"appended 0 records to {target!r}", err=True)
+    elif len(parts) == 1:
+        where = f"partition {parts[0]} of " if got and isinstance(got[0], tuple) else ""
+        click.echo(f"appended {len(offsets)} records to {where}{target!r} at offsets {offsets[0]}..{offsets[-1]}",
+                   err=True)
+    else:
+        click.echo(f"appended {len(offsets)} records to {target!r} across partitions "
+                   f"{', '.join(map(str, parts))}", err=True)
+
+
+@main.command()
+@click.argument("stream_name", metavar="NAME")
+@click.option("--from", "start", default="earliest", show_default=True,
+              help="earliest, latest or a record offset.")
+@click.option("--partition", "-p", type=click.IntRange(0), default=None,
+              help="Read this partition of topic NAME (default: every partition).")
 @click.option("--follow", "-f", is_flag=True, help="Keep waiting for new records (Ctrl-C stops).")
 @click.option("--max", "max_records", type=int, default=None, help="Stop after this many records.")
 @metadata_option
 @json_option
-def consume(stream_name, start, follow, max_records, metadata, as_json):
-    """Print records of STREAM (value per line; --json for key, headers, position)."""
-    from .errors import ScrollError
+def consume(stream_name, start, partition, follow, max_records, metadata, as_json):
+    """Print records of NAME (value per line; --json adds offset, partition, key, headers, timestamp).
 
-    start_at = start if start in ("earliest", "latest") else int(start)
-    seen = 0
-    with _client(metadata) as c:
+    A record offset past the end is an error (as Kafka's out-of-range) unless --follow, which
+    waits for it. An offset below what retention kept is an error naming the earliest offset.
+    """
+    import asyncio
+
+    from .errors import DataRemovedError, NoSuchTopic
+
+    if start in ("earliest", "latest"):
+        start_at = start
+    else:
         try:
-            cons = c.consumer(stream_name, start=start_at)
+            start_at = int(start)
+        except ValueError:
+            raise click.BadParameter(f"{start!r} is not earliest, latest or an offset", param_hint="--from") from None
+        if start_at < 0:
+            raise click.BadParameter("an offset is >= 0", param_hint="--from")
+
+    async def go(c):
+        if partition is not None or ":" in stream_name:
+            names = [(partition or 0, _target(stream_name, partition))]
+        else:
+            try:
+                names = list(enumerate((await c.describe_topic(stream_name)).streams()))
+            except NoSuchTopic:
+                raise click.ClickException(f"no stream or topic named {stream_name!r}") from None
+            if len(names) > 1 and isinstance(start_at, int):
+                raise click.UsageError(f"topic {stream_name!r} has {len(names)} partitions: give --partition "
+                                       "with an offset")
+        consumers = []
+        for p, s in names:
+            try:
+                cons = await c.consumer(s, start=start_at)
+            except DataRemovedError as exc:
+                raise click.ClickException(f"offset {start_at} of {s!r} was removed by retention; the earliest "
+                                           f"is {exc.earliest}") from exc
             if isinstance(start_at, int) and not follow:
-                end = cons.end_position()
+                end = await cons.end_position()
                 if start_at > end:  # as Kafka's OFFSET_OUT_OF_RANGE: say so instead of printing nothing
                     raise click.ClickException(
-                        f"position {start_at} is past the end of {stream_name!r} (the next record will be at "
-                        f"{end}); use --follow to wait for it")
-            while max_records is None or seen < max_records:
+                        f"offset {start_at} is past the end of {s!r} (the next record will be at offset {end}); "
+                        "use --follow to wait for it")
+            consumers.append((p, cons))
+        seen = 0
+        wait = (1.0 if len(consumers) == 1 else 0.2) if follow else 0.0
+        done = set()
+        while (max_records is None or seen < max_records) and len(done) < len(consumers):
+            for p, cons in consumers:
+                if p in done or (max_records is not None and seen >= max_records):
+                    continue
                 want = 500 if max_records is None else min(500, max_records - seen)
-                batch = cons.read(want, timeout_s=1.0 if follow else 0.0)
+                batch = await cons.read(want, timeout_s=wait)
                 if not batch and not follow:
-                    break
+                    done.add(p)
+                    continue
                 for r in batch:
                     seen += 1
                     if as_json:
                         click.echo(json.dumps({
-                            "position": r.position, "timestamp_ms": r.timestamp_ms,
+                            "offset": r.offset, "partition": p, "timestamp_ms": r.timestamp_ms,
                             "key": r.key.decode(errors="replace") if r.key is not None else None,
-                            "headers": {k: (v.decode(errors="replace") if v is not None else None) for k, v in r.headers},
-                            "value": r.value.decode(errors="replace")}))
+                            "headers": {k: (v.decode(errors="replace") if v is not None else None)
+                                        for k, v in r.headers},
+                            "value": r.value.decode(errors="replace") if r.value is not None else None}))
                     else:
-                        sys.stdout.buffer.write(r.value + b"\n")
+                        sys.stdout.buffer.write((r.value or b"") + b"\n")
                 sys.stdout.flush()
-        except KeyboardInterrupt:
-            pass
-        except ScrollError as exc:
-            raise _fail(exc) from exc
+            await asyncio.sleep(0)
+
+    try:
+        _arun(metadata, go)
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command()
@@ -284,25 +516,32 @@ def bookies(metadata, as_json):
 @metadata_option
 @json_option
 def fragments(stream_name, metadata, as_json):
-    """Fragments of STREAM: ensemble, entry range, bytes; and the ledger's term and status."""
-    from .errors import ScrollError
+    """Fragments of STREAM: ensemble, first record offset, entry range, bytes; the ledger's term and status."""
 
-    with _client(metadata) as c:
-        try:
-            info = c.describe_stream(stream_name)
-        except ScrollError as exc:
-            raise _fail(exc) from exc
+    async def go(c):
+        info = await c.describe_stream(stream_name)
+        cons = await c.consumer(stream_name, start="latest")
+        return info, [await cons.first_offset_of(f) for f in info.fragments], cons.position
+
+    info, firsts, end = _arun(metadata, go)
     m = info.meta
     if as_json:
+        frags = []
+        for f, first in zip(info.fragments, firsts):
+            d = json.loads(f.to_json())
+            d["first_offset"] = first  # learnt from the entries when the record does not have it
+            frags.append(d)
         click.echo(json.dumps({"stream": m.name, "ledger": m.ledger_id, "term": m.term, "status": m.status.value,
-                               "fragments": [json.loads(f.to_json()) for f in info.fragments]}))
+                               "end_offset": end, "fragments": frags}))
         return
     from rich.table import Table
 
-    t = Table("fragment", "first", "last", "ensemble", "bytes", "created in term",
-              title=f"{m.name} (ledger {m.ledger_id}) term {m.term} {m.status.value}")
-    for f in info.fragments:
-        t.add_row(str(f.index), str(f.first_entry_id), str(f.last_entry_id) if f.sealed else "(open)",
+    t = Table("fragment", "first offset", "records", "entries", "ensemble", "bytes", "created in term",
+              title=f"{m.name} (ledger {m.ledger_id}) term {m.term} {m.status.value}, offsets up to {end}")
+    for i, f in enumerate(info.fragments):
+        nxt = firsts[i + 1] if i + 1 < len(firsts) else end
+        t.add_row(str(f.index), str(firsts[i]), str(nxt - firsts[i]),
+                  f"{f.first_entry_id}..{f.last_entry_id if f.sealed else '(open)'}",
                   ", ".join(f.ensemble), _size(f.size_bytes) if f.size_bytes is not None else "-", str(f.created_term))
     _console().print(t)
 
@@ -425,26 +664,30 @@ def retention_run(stream_name, dry_run, metadata, as_json):
     from rich.table import Table
 
     verb = "would remove" if dry_run else "removed"
-    t = Table("stream", "fragments", "entries", "positions", "bytes", "new earliest", "note",
+    t = Table("stream", "fragments", "offsets", "records", "entries", "bytes", "new earliest", "note",
               title=f"retention {'(dry run) ' if dry_run else ''}— {verb}")
     for s in report.streams:
         note = s.skipped or ("pending deletion finished" if s.completed_pending else "") or f"kept: {s.kept_because}"
         if s.pending and not s.skipped:
-            note = f"pending deletion below {s.pending.get('below_entry')}"
-        t.add_row(s.stream, _span(s.fragments), str(s.entries),
+            note = f"pending deletion below offset {s.pending.get('below_offset')}"
+        offsets = "-"
+        if s.fragments:
+            offsets = f"{s.first_offset}..{s.new_earliest - 1}" if None not in (s.first_offset, s.new_earliest) else "?"
+        t.add_row(s.stream, _span(s.fragments), offsets, str(s.records) if s.fragments else "-",
                   f"{s.first_entry}..{s.last_entry}" if s.fragments else "-", _size(s.bytes) if s.fragments else "-",
                   str(s.new_earliest) if s.fragments else "-", note,
                   style="yellow" if s.skipped else None)
     _console().print(t)
-    click.echo(f"{verb} {report.fragments} fragments, {report.entries} entries, {_size(report.bytes)} "
-               f"(per replica; bookies reclaim the space in their GC)")
+    click.echo(f"{verb} {report.fragments} fragments, {report.records} records ({report.entries} entries), "
+               f"{_size(report.bytes)} (per replica; bookies reclaim the space in their GC)")
 
 
 @retention.command("set")
 @click.argument("stream_name", metavar="STREAM")
 @click.option("--max-age", help="Remove sealed fragments whose newest record is older than this (e.g. 12h, 7d).")
 @click.option("--max-bytes", help="Keep at least this much, remove older fragments beyond it (e.g. 500MB, 10GiB).")
-@click.option("--keep-from", type=click.IntRange(0), help="Remove sealed fragments wholly below this position.")
+@click.option("--keep-from", type=click.IntRange(0),
+              help="Remove sealed fragments whose records are all below this record offset.")
 @click.option("--ignore-consumers/--respect-consumers", "ignore_consumers", default=None,
               help="Whether floors of layers above (Kafka consumer groups) may hold data back (default: respect).")
 @click.option("--clear", is_flag=True, help="Drop every setting first (then apply the ones given).")
@@ -481,17 +724,19 @@ def retention_set(stream_name, max_age, max_bytes, keep_from, ignore_consumers, 
 @metadata_option
 @json_option
 def retention_show(stream_name, metadata, as_json):
-    """Show STREAM's retention policy, earliest position and any deletion in progress."""
+    """Show STREAM's retention policy, earliest offset and any deletion in progress."""
     from fragments.retention import Policy
 
     async def go(c):
         info = await c.describe_stream(stream_name)
-        return info
+        earliest, end = await _offsets_of(c, stream_name)
+        return info, earliest, end
 
-    info = _arun(metadata, go)
+    info, earliest, end = _arun(metadata, go)
     m = info.meta
     d = {"stream": m.name, "retention": Policy.from_dict({k: v for k, v in m.retention.items() if k != "deleting"}).to_dict(),
-         "deleting": m.retention.get("deleting"), "earliest": info.fragments[0].first_entry_id if info.fragments else 0,
+         "deleting": m.retention.get("deleting"), "earliest_offset": earliest, "end_offset": end,
+         "earliest_entry": info.fragments[0].first_entry_id if info.fragments else 0,
          "first_fragment_index": m.first_fragment_index, "fragments": len(info.fragments),
          "bytes_in_sealed_fragments": info.bytes}
     if as_json:
@@ -526,11 +771,14 @@ def ledger_show(stream_name, metadata, as_json):
                f"version {d['version']}")
     click.echo(f"E/WQ/AQ {cfg['ensemble_size']}/{cfg['write_quorum']}/{cfg['ack_quorum']}  "
                f"fragment caps {_size(cfg['fragment_bytes_max'])} / {cfg['fragment_entries_max']} entries")
-    click.echo(f"positions {d['earliest']}..{d['lac']} (LAC {d['lac']})  fragments {d['first_fragment_index']}.."
+    click.echo(f"offsets {d['earliest_offset']}..{d['end_offset'] - 1} (next {d['end_offset']})  "
+               f"entries {d['earliest_entry']}..{d['lac']} (LAC {d['lac']})  fragments {d['first_fragment_index']}.."
                f"{d['last_fragment_index']}  retention {d['retention'] or '-'}  extra {d['extra'] or '-'}")
-    t = Table("fragment", "first", "last", "entries", "ensemble", "bytes", "created in term")
+    t = Table("fragment", "first offset", "records", "first entry", "last entry", "entries", "ensemble", "bytes",
+              "created in term")
     for f in d["fragments"]:
-        t.add_row(str(f["index"]), str(f["first_entry_id"]),
+        t.add_row(str(f["index"]), str(f["first_offset"]) + ("" if f["first_offset_recorded"] else " (learnt)"),
+                  str(f["records"]), str(f["first_entry_id"]),
                   str(f["last_entry_id"]) if f["sealed"] else "(open)", str(f["entries"]), ", ".join(f["ensemble"]),
                   _size(f["size_bytes"]), str(f["created_term"]))
     _console().print(t)
@@ -538,14 +786,19 @@ def ledger_show(stream_name, metadata, as_json):
 
 @main.command("read")
 @click.argument("stream_name", metavar="STREAM")
-@click.option("--from", "first", type=click.IntRange(0), default=None, help="First position.")
-@click.option("--to", "last", type=click.IntRange(0), default=None, help="Last position (default: --from).")
+@click.option("--from", "first", type=click.IntRange(0), default=None, help="First entry id (not a record offset).")
+@click.option("--to", "last", type=click.IntRange(0), default=None, help="Last entry id (default: --from).")
 @click.option("--force-recovery", is_flag=True,
               help="First take the stream over (fence, recover, truncate no-op) and close it; prints the new term and LAC.")
 @metadata_option
 @json_option
 def read_cmd(stream_name, first, last, force_recovery, metadata, as_json):
-    """Entries of STREAM as each replica of their write set holds them (mismatches highlighted)."""
+    """Entries of STREAM as each replica of their write set holds them (mismatches highlighted).
+
+    This is a protocol tool: --from/--to are entry ids (each entry is one record batch; its first
+    record offset and record count are shown), see `scroll fragments` for which entries hold which
+    offsets.
+    """
     from .admin import force_recovery as recover
     from .admin import read_replicas
 
@@ -566,53 +819,58 @@ def read_cmd(stream_name, first, last, force_recovery, metadata, as_json):
         return
     if "recovery" in d:
         r = d["recovery"]
-        click.echo(f"recovered {stream_name!r}: term {r['previous_term']} -> {r['term']}, LAC {r['lac']}")
+        click.echo(f"recovered {stream_name!r}: term {r['previous_term']} -> {r['term']}, LAC entry {r['lac']}, "
+                   f"next offset {r['end_offset']}")
     if first is None:
         return
     from rich.table import Table
 
-    t = Table("entry", "fragment", "replicas (term stamp)", "size", "missing on", "preview",
+    t = Table("entry", "fragment", "offsets", "replicas (term stamp)", "size", "missing on", "preview",
               title=f"{stream_name} (ledger {d['ledger']}, term {d['term']}, WQ {d['write_quorum']})")
     for e in d["entries"]:
         if "error" in e:
-            t.add_row(str(e["entry_id"]), "-", e["error"], "", "", "", style="yellow")
+            t.add_row(str(e["entry_id"]), "-", "", e["error"], "", "", "", style="yellow")
             continue
         reps = ", ".join(f"{b}:{r['term']}" for b, r in e["replicas"].items() if "term" in r)
         style = "bold red" if e["mismatch"] else ("yellow" if e["missing"] else None)
-        t.add_row(str(e["entry_id"]), str(e["fragment"]), reps + ("  MISMATCH" if e["mismatch"] else ""),
+        offs = "-" if e["first_offset"] is None else (
+            str(e["first_offset"]) if e["records"] == 1 else f"{e['first_offset']}..{e['first_offset'] + e['records'] - 1}")
+        t.add_row(str(e["entry_id"]), str(e["fragment"]), offs, reps + ("  MISMATCH" if e["mismatch"] else ""),
                   str(e["size"]), ", ".join(e["missing"]) or "-", e["preview"] or "", style=style)
     _console().print(t)
 
 
 @main.command()
-@click.option("--entries", "-n", default=1000, show_default=True, type=click.IntRange(1), help="Entries to write.")
-@click.option("--size", default=100, show_default=True, type=click.IntRange(8), help="Bytes per entry.")
+@click.option("--records", "--entries", "-n", "records", default=1000, show_default=True, type=click.IntRange(1),
+              help="Records to write.")
+@click.option("--size", default=100, show_default=True, type=click.IntRange(8), help="Bytes per record.")
 @click.option("--ensemble", "-e", default=3, show_default=True)
 @click.option("--wq", "-w", "write_quorum", default=3, show_default=True)
 @click.option("--aq", "-a", "ack_quorum", default=2, show_default=True)
 @metadata_option
 @json_option
-def simpletest(entries, size, ensemble, write_quorum, ack_quorum, metadata, as_json):
-    """Write and read back N entries on a temporary stream; print latency and throughput."""
+def simpletest(records, size, ensemble, write_quorum, ack_quorum, metadata, as_json):
+    """Write and read back N records on a temporary stream; verify values and offsets; print latency and throughput."""
     from .admin import simpletest as run
 
     console = _console()
     if as_json:
-        d = _arun(metadata, lambda c: run(c, entries, ensemble, write_quorum, ack_quorum, size))
+        d = _arun(metadata, lambda c: run(c, records, ensemble, write_quorum, ack_quorum, size))
         click.echo(json.dumps(d))
     else:
-        with console.status(f"writing {entries} entries of {size} bytes (E/WQ/AQ {ensemble}/{write_quorum}/{ack_quorum})"):
-            d = _arun(metadata, lambda c: run(c, entries, ensemble, write_quorum, ack_quorum, size))
+        with console.status(f"writing {records} records of {size} bytes (E/WQ/AQ {ensemble}/{write_quorum}/{ack_quorum})"):
+            d = _arun(metadata, lambda c: run(c, records, ensemble, write_quorum, ack_quorum, size))
         from rich.table import Table
 
         t = Table("", "", title=f"simpletest on {', '.join(d['bookies'])}")
-        t.add_row("entries written / read back", f"{d['entries']} / {d['read_back']}")
-        t.add_row("verified", "[green]yes[/green]" if d["verified"] else "[bold red]NO[/bold red]")
+        t.add_row("records written / read back", f"{d['records']} / {d['read_back']}")
+        t.add_row("entries (record batches)", str(d["entries"]))
+        t.add_row("verified (values and offsets)", "[green]yes[/green]" if d["verified"] else "[bold red]NO[/bold red]")
         t.add_row("take-over (open)", f"{d['open_s'] * 1000:.1f} ms")
-        t.add_row("write", f"{d['write_s']:.3f} s, {d['write_entries_per_s']:.0f} entries/s")
-        t.add_row("add latency p50 / p99 / max",
+        t.add_row("write", f"{d['write_s']:.3f} s, {d['write_records_per_s']:.0f} records/s")
+        t.add_row("append latency p50 / p99 / max",
                   f"{d['latency_ms']['p50']:.2f} / {d['latency_ms']['p99']:.2f} / {d['latency_ms']['max']:.2f} ms")
-        t.add_row("read", f"{d['read_s']:.3f} s, {d['read_entries_per_s']:.0f} entries/s")
+        t.add_row("read", f"{d['read_s']:.3f} s, {d['read_records_per_s']:.0f} records/s")
         console.print(t)
     if not d["verified"]:
         sys.exit(1)
@@ -721,7 +979,19 @@ def _plugins() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="scroll.commands"):
-        main.add_command(ep.load(), ep.name)
+        try:
+            main.add_command(ep.load(), ep.name)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take `scroll bookie` down with it
+            main.add_command(_broken_plugin(ep.name, ep.value, exc), ep.name)
+
+
+def _broken_plugin(name: str, value: str, exc: Exception) -> click.Command:
+    @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                   help=f"(cannot be loaded: {exc!r})", add_help_option=False)
+    def broken() -> None:
+        raise click.ClickException(f"the {name!r} command ({value}) cannot be loaded: {exc!r}")
+
+    return broken
 
 
 _plugins()

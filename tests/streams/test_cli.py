@@ -31,26 +31,87 @@ def test_stream_produce_consume_fragments_bookies(cluster, stream_name):
     run(cluster, "stream", "create", stream_name + "-x")
     for _ in range(3):  # the stray-task report at exit ("Task was destroyed") was intermittent
         run(cluster, "produce", stream_name + "-x", input=b"x\n")
-    out = run(cluster, "produce", stream_name, "--json", input=b"one\ntwo\nthree\nfour\n")
-    assert json.loads(out.stdout)["positions"] == [1, 2, 3, 4]
+    # record offsets from 0 (a take-over's no-op takes none); each produce is one batch (one entry)
+    out = run(cluster, "produce", stream_name, "--json", input=b"one\ntwo\n")
+    assert json.loads(out.stdout) == {"stream": stream_name, "offsets": [0, 1]}
+    out = run(cluster, "produce", stream_name, input=b"three\nfour\n")
+    assert b"appended 2 records" in out.stderr and b"at offsets 2..3" in out.stderr
     assert run(cluster, "consume", stream_name).stdout == b"one\ntwo\nthree\nfour\n"
-    recs = [json.loads(x) for x in run(cluster, "consume", stream_name, "--from", "3", "--json").stdout.splitlines()]
-    assert [(r["position"], r["value"]) for r in recs] == [(3, "three"), (4, "four")]
-    assert run(cluster, "consume", stream_name, "--from", "5").stdout == b""  # the end: nothing yet
+    recs = [json.loads(x) for x in run(cluster, "consume", stream_name, "--from", "2", "--json").stdout.splitlines()]
+    assert [(r["offset"], r["partition"], r["value"]) for r in recs] == [(2, 0, "three"), (3, 0, "four")]
+    assert run(cluster, "consume", stream_name, "--from", "4").stdout == b""  # the end: nothing yet
     past = run(cluster, "consume", stream_name, "--from", "9", check=False)  # past the end: said, as Kafka does
-    assert past.returncode != 0 and b"position 9 is past the end" in past.stderr and b"next record will be at 5" in past.stderr
+    assert past.returncode != 0 and b"offset 9 is past the end" in past.stderr
+    assert b"next record will be at offset 4" in past.stderr
+    # entries 0 (no-op), 1 (batch 0..1), 2 (no-op of the second take-over) | 3 (batch 2..3)
     frags = json.loads(run(cluster, "fragments", stream_name, "--json").stdout)
-    assert frags["term"] == 1 and frags["status"] == "OPEN" and len(frags["fragments"]) >= 2
+    assert frags["term"] == 2 and frags["status"] == "OPEN" and frags["end_offset"] == 4
+    assert [(f["first_entry_id"], f["first_offset"]) for f in frags["fragments"]] == [(0, 0), (3, 2)]
     table = run(cluster, "fragments", stream_name).stdout.decode()
-    assert "ensemble" in table and "(open)" in table
+    assert "ensemble" in table and "(open)" in table and "first offset" in table
     live = json.loads(run(cluster, "bookies", "--json").stdout)
     assert len(live) == 4 and all(b["address"].startswith("127.0.0.1:") for b in live)
     described = json.loads(run(cluster, "stream", "describe", stream_name, "--json").stdout)
-    assert described["end_position"] == 5 and described["config"]["write_quorum"] == 2
+    assert described["end_offset"] == 4 and described["earliest_offset"] == 0 and described["records"] == 4
+    assert described["config"]["write_quorum"] == 2
+
+
+def test_produce_keys_and_headers_consume_as_json(cluster, stream_name):
+    run(cluster, "stream", "create", stream_name)
+    run(cluster, "produce", stream_name, "--key", "k1", "--header", "source=cli", "--header", "n=1", input=b"a\nb\n")
+    recs = [json.loads(x) for x in run(cluster, "consume", stream_name, "--json").stdout.splitlines()]
+    assert [(r["offset"], r["key"], r["value"], r["headers"]) for r in recs] == [
+        (0, "k1", "a", {"source": "cli", "n": "1"}), (1, "k1", "b", {"source": "cli", "n": "1"})]
+    assert all(r["timestamp_ms"] > 0 for r in recs)
+    bad = run(cluster, "produce", stream_name, "--header", "novalue", input=b"x\n", check=False)
+    assert bad.returncode == 2 and b"KEY=VALUE" in bad.stderr
+
+
+def test_topic_create_list_describe_produce_by_key_consume_delete(cluster, stream_name):
+    from streams.topics import partition_for
+
+    t = stream_name.replace("_", "-")
+    made = json.loads(run(cluster, "topic", "create", t, "--partitions", "3", "--config", "retention.ms=-1",
+                          "--json").stdout)
+    assert made["partitions"] == 3 and made["streams"] == [t, f"{t}:1", f"{t}:2"]
+    assert made["configs"] == {"retention.ms": "-1"}
+    again = run(cluster, "topic", "create", t, "--partitions", "2", check=False)
+    assert again.returncode != 0 and b"already exists" in again.stderr
+    run(cluster, "stream", "create", t + "-alone")
+    listed = {x["name"]: x["partitions"] for x in json.loads(run(cluster, "topic", "list", "--json").stdout)}
+    assert listed[t] == 3 and listed[t + "-alone"] == 1  # a stream created alone is a one-partition topic
+    # by key: Kafka's default partitioner (murmur2), so Kafka clients put the key in the same partition
+    k = partition_for(b"user-7", 3)
+    out = json.loads(run(cluster, "produce", t, "--key", "user-7", "--json", input=b"a\nb\nc\n").stdout)
+    assert out["partitions"] == [k, k, k] and out["offsets"] == [0, 1, 2]
+    out = json.loads(run(cluster, "produce", t, "--key", "user-7", "--json", input=b"d\n").stdout)
+    assert out["partitions"] == [k] and out["offsets"] == [3]
+    other = (k + 1) % 3
+    out = json.loads(run(cluster, "produce", t, "--partition", str(other), "--json", input=b"x\ny\n").stdout)
+    assert out == {"stream": f"{t}:{other}" if other else t, "offsets": [0, 1]}
+    recs = [json.loads(x) for x in run(cluster, "consume", t, "--partition", str(k), "--from", "1",
+                                        "--json").stdout.splitlines()]
+    assert [(r["partition"], r["offset"], r["value"], r["key"]) for r in recs] == [
+        (k, 1, "b", "user-7"), (k, 2, "c", "user-7"), (k, 3, "d", "user-7")]
+    every = sorted(run(cluster, "consume", t).stdout.splitlines())  # every partition
+    assert every == [b"a", b"b", b"c", b"d", b"x", b"y"]
+    need_p = run(cluster, "consume", t, "--from", "1", check=False)
+    assert need_p.returncode == 2 and b"--partition" in need_p.stderr
+    d = json.loads(run(cluster, "topic", "describe", t, "--json").stdout)
+    ends = {p["partition"]: (p["earliest_offset"], p["end_offset"]) for p in d["partition_info"]}
+    assert ends == {k: (0, 4), other: (0, 2), 3 - k - other: (0, 0)}
+    human = run(cluster, "topic", "describe", t).stdout.decode()
+    assert "partition" in human and f"{t}:1" in human
+    run(cluster, "topic", "delete", t)
+    gone = run(cluster, "topic", "describe", t, check=False)
+    assert gone.returncode != 0 and b"no topic named" in gone.stderr
+    assert not [s for s in json.loads(run(cluster, "stream", "list", "--json").stdout) if s["name"].startswith(t + ":")]
 
 
 def test_clear_errors(cluster):
     p = run(cluster, "consume", "no-such-stream", check=False)
+    assert p.returncode != 0 and b"no stream or topic named 'no-such-stream'" in p.stderr
+    p = run(cluster, "consume", "no-such-stream", "--partition", "0", check=False)
     assert p.returncode != 0 and b"no stream named 'no-such-stream'" in p.stderr
     p = run(cluster, "stream", "create", "bad-quorum", "-e", "2", "-w", "3", check=False)
     assert p.returncode != 0 and b"write_quorum" in p.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from streams.driver import ProducerOptions
 from streams.errors import (
     InvalidArgument,
     NoSuchStream,
@@ -47,7 +48,7 @@ def replicas_agree(client, cluster, name):
     from terms.quorum import write_set
 
     info = client.describe_stream(name)
-    end = client.consumer(name, start="latest").position
+    end = client.consumer(name, start="latest")._c.lac + 1  # entry ids: a protocol-level check
 
     async def go():
         ports = {f"bookie-{i}": p for i, p in enumerate(cluster.bookie_ports)}
@@ -85,24 +86,25 @@ def test_create_describe_list_delete_and_bad_arguments(client, stream_name):
     with client.producer(stream_name) as p:
         with pytest.raises(PayloadTooLarge):
             p.append(b"x" * (2 << 20))
-        assert p.append(b"still fine") == 1  # the oversized append lost nothing and broke nothing
+        assert p.append(b"still fine") == 0  # the oversized append lost nothing and broke nothing
     assert [r.value for r in read_all(client, stream_name)] == [b"still fine"]
     client.delete_stream(stream_name)
     with pytest.raises(NoSuchStream):
         client.describe_stream(stream_name)
 
 
-def test_produce_consume_keys_headers_and_positions(client, cluster, stream_name):
+def test_produce_consume_keys_headers_and_offsets(client, cluster, stream_name):
     client.create_stream(stream_name)
     with client.producer(stream_name) as p:
-        positions = p.append_many([b"v%d" % i for i in range(500)])
+        offsets = p.append_many([b"v%d" % i for i in range(500)])
         keyed = p.append(b"with-key", key=b"k", headers={"h": b"1", "none": None})
-    assert positions == list(range(1, 501)) and keyed == 501
+    assert offsets == list(range(500)) and keyed == 500
     got = read_all(client, stream_name)
     assert [r.value for r in got] == [b"v%d" % i for i in range(500)] + [b"with-key"]
+    assert [r.offset for r in got] == list(range(501))
     assert got[-1].key == b"k" and dict(got[-1].headers) == {"h": b"1", "none": None}
     c = client.consumer(stream_name, start=250)
-    assert c.read(1)[0].position == 250
+    assert c.read(1)[0].offset == 250
     copies = replicas_agree(client, cluster, stream_name)
     assert entry_codec.is_noop(next(iter(copies[0])))  # the first take-over's truncate point
 
@@ -152,13 +154,16 @@ def test_sigkill_a_bookie_the_writer_changes_ensemble_and_loses_nothing(client, 
     client.create_stream(stream_name, ensemble=3, write_quorum=3, ack_quorum=2)
     victim_name = client.describe_stream(stream_name).fragments[0].ensemble[1]
     victim = int(victim_name.split("-")[1])
-    n = 30000
-    values = [b"v-%d-" % i + b"x" * 512 for i in range(n)]
+    n = 200_000  # ~100 MB: batched appends run for seconds, so the kill lands mid-run
+
+    def value(i):
+        return b"v-%d-" % i + b"x" * 512
+
     result = {}
     with connect(cluster.metadata_url, add_timeout_s=5.0) as writer_client, writer_client.producer(stream_name) as p:
         def run():
             try:
-                result["positions"] = p.append_many(values)
+                result["offsets"] = p.append_many(value(i) for i in range(n))
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 result["error"] = exc
 
@@ -174,14 +179,14 @@ def test_sigkill_a_bookie_the_writer_changes_ensemble_and_loses_nothing(client, 
     cluster.start_bookie(victim)
     assert killed_at < n, "the kill must land while appends are in flight"
     assert "error" not in result, result.get("error")
-    assert result["positions"] == list(range(1, n + 1))  # every append acknowledged, in order
+    assert result["offsets"] == list(range(n))  # every append acknowledged, in order
     info = client.describe_stream(stream_name)
     # the writer changed the ensemble away from the victim; a later change may bring it back in
     # (with 4 bookies, when a second member times out on a loaded machine, a bookie that failed
     # before is the only candidate left), so look at every fragment after the first
     assert len(info.fragments) >= 2 and any(victim_name not in f.ensemble for f in info.fragments[1:])
-    got = {r.position: r.value for r in read_all(client, stream_name)}
-    assert got == dict(zip(result["positions"], values))
+    got = read_all(client, stream_name)
+    assert [r.offset for r in got] == list(range(n)) and all(r.value == value(r.offset) for r in got)
     print(f"\nkilled {victim_name} at LAC {killed_at}; ensemble change at entry {info.fragments[-1].first_entry_id}: "
           f"{info.fragments[-2].ensemble} -> {info.fragments[-1].ensemble}")
 
@@ -261,7 +266,7 @@ def test_stopped_producer_is_fenced_by_a_take_over_from_another_process(client, 
 def test_a_large_stream_spreads_over_all_bookies(client, cluster, stream_name):
     client.create_stream(stream_name, fragment_bytes_max=1 << 20)
     value = os.urandom(60 * 1024)
-    with client.producer(stream_name) as p:
+    with client.producer(stream_name, ProducerOptions(batch_bytes=64 << 10)) as p:  # a record per entry
         p.append_many([value] * 850)  # ~50 MB
     info = client.describe_stream(stream_name)
     placement = Counter(b for f in info.fragments for b in f.ensemble)
@@ -321,8 +326,8 @@ def test_noop_entries_never_reach_consumers(client, stream_name):
             p.append(b"x")
     records = read_all(client, stream_name)
     assert [r.value for r in records] == [b"x", b"x", b"x"]
-    # each take-over's no-op keeps its id (0, 2, 4) but never reaches the consumer
-    assert [r.position for r in records] == [1, 3, 5]
+    # each take-over's no-op keeps its entry id (0, 2, 4) but takes no record offset
+    assert [r.offset for r in records] == [0, 1, 2]
 
 
 def test_after_close_every_member_of_the_last_fragment_shows_the_final_lac(client, cluster, stream_name):
@@ -332,7 +337,8 @@ def test_after_close_every_member_of_the_last_fragment_shows_the_final_lac(clien
 
     client.create_stream(stream_name, fragment_entries_max=20)
     p = client.producer(stream_name)
-    p.append_many([b"r%d" % i for i in range(59)])  # the close lands right at a rollover (entry 60)
+    for i in range(59):  # one record per entry (each waits for the last): entries 1..59
+        p.append(b"r%d" % i)  # the close lands right at a rollover (entry 60)
     info = client.describe_stream(stream_name)
     victim = cluster.bookie_ports.index(cluster.bookie_ports[int(info.fragments[-1].ensemble[0].split("-")[1])])
     cluster.bookies[victim].signal(signal.SIGSTOP)
@@ -349,7 +355,7 @@ def test_after_close_every_member_of_the_last_fragment_shows_the_final_lac(clien
     c = client.consumer(stream_name, start="earliest")
     for k in range(3):
         c._c.lac, c._c._rotate = -1, k  # start over, asking the next member
-        assert c.end_position() == 60
+        assert c.end_position() == 59  # offsets 0..58
     assert len(c.read(100)) == 59
     assert len(read_all(client, stream_name)) == 59
 
