@@ -29,7 +29,7 @@ from fragments.model import Fragment, LedgerMeta, LedgerStatus, fragment_for
 from terms.quorum import write_set
 from terms.reader import copy_is_current, read_order
 
-from .batches import Record, StoredBatch, records_of, stored_batch
+from .batches import Record, RecordFormatError, StoredBatch, records_of, stored_batch
 from .errors import DataRemovedError, ReadFailedError
 from .offsets import OffsetIndex, next_batch, search_offset, search_timestamp
 
@@ -246,17 +246,24 @@ class Consumer:
             result = await self._read_range(self.entry, last)
             buf = []
             for e in result:
-                b = stored_batch(e.entry_id, e.data)
-                if b is None:
-                    continue
-                end = b.end_offset
-                if end <= self.position:
-                    continue
-                buf.extend(records_of(b, self.name, self.position))
-                self._read_end = max(self._read_end, end)
-            self.entry = result[-1].entry_id + 1
+                try:
+                    b = stored_batch(e.entry_id, e.data)
+                    if b is None:
+                        self.entry = e.entry_id + 1
+                        continue
+                    end = b.end_offset
+                    if end > self.position:
+                        buf.extend(records_of(b, self.name, self.position))
+                        self._read_end = max(self._read_end, end)
+                except RecordFormatError:
+                    if buf or out:
+                        break  # hand out what came before the bad entry; the next read raises
+                    raise
+                self.entry = e.entry_id + 1
             if buf:
                 self._buf, self._buf_at = buf, 0
+            elif self.entry <= result[-1].entry_id:
+                break  # stopped before a bad entry with records in hand
             else:
                 self.position = max(self.position, self._read_end)
         return out

@@ -13,6 +13,7 @@ from fragments.memstore import MemoryStore
 from fragments.registry import BookieRegistration, register_bookie
 from streams.client import ScrollClient
 from streams.cluster import Cluster
+from streams.batches import RecordFormatError
 from streams.driver import ProducerOptions
 from streams.errors import StaleTermError
 
@@ -119,6 +120,29 @@ def test_seeking_costs_logarithmic_reads_and_repeats_are_cached(tmp_path):
             await c.seek(4001)  # inside the batch found for 4000 (or next to it): no reads
             assert len(reads) <= 1
             assert (await c.read(1))[0].offset == 4001
+        finally:
+            await stop_cluster(client, servers, regs)
+
+    asyncio.run(body())
+
+
+def test_a_stream_whose_entries_are_not_record_batches_is_refused_clearly(tmp_path):
+    """Format 1 is gone: an entry that is not a Kafka RecordBatch is an error that says so, for a
+    consumer and for a producer taking the stream over, and the batches before it stay readable."""
+    async def body():
+        client, servers, regs = await start_cluster(tmp_path)
+        try:
+            await client.create_stream("s", ensemble=3, write_quorum=3, ack_quorum=2)
+            p = await client.producer("s")
+            assert await p.append(b"good") == 0
+            await p._driver.append_nowait(b"\x01old format record")  # what the old streams API wrote
+            await p.close()
+            c = await client.consumer("s")
+            assert [r.value for r in await c.read(1)] == [b"good"]
+            with pytest.raises(RecordFormatError, match="not a Kafka record batch"):
+                await c.read(10)
+            with pytest.raises(RecordFormatError, match="not a Kafka record batch"):
+                await client.producer("s")
         finally:
             await stop_cluster(client, servers, regs)
 
