@@ -188,8 +188,10 @@ class Consumer:
                 else:
                     result = await self.earliest_offset() if self.fragments else 0
                     break
+            step = 2  # the last entry is usually a no-op (a take-over) right after a batch
             while hi >= f.first_entry_id:
-                lo = max(f.first_entry_id, hi - SCAN_BACK_ENTRIES + 1)
+                lo = max(f.first_entry_id, hi - step + 1)
+                step = min(step * 4, SCAN_BACK_ENTRIES)
                 got = await self._read_all(lo, hi)
                 for e in reversed(got):
                     b = stored_batch(e.entry_id, e.data)
