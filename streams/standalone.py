@@ -222,7 +222,7 @@ class Standalone:
             f"  echo hello | kcat -b 127.0.0.1:{c.kafka_port} -t greetings -P && "
             f"kcat -b 127.0.0.1:{c.kafka_port} -t greetings -C -e",
             f"  .venv/bin/python -c \"import streams.sync as s; c = s.connect('{c.metadata_url}'); "
-            "print([r.value for r in c.consumer('greetings-0').read(10)])\"",
+            "print([(r.offset, r.value) for r in c.consumer('greetings').read(10)])\"",
         ])
 
     async def run_forever(self, stop: asyncio.Event) -> None:
@@ -272,8 +272,8 @@ class Standalone:
             self._metrics["retention_bytes"].inc(report.bytes)
             self._metrics["retention_fragments"].inc(report.fragments)
         if report.fragments:
-            log.info("retention removed %d fragments (%d entries, %d bytes)", report.fragments, report.entries,
-                     report.bytes)
+            log.info("retention removed %d fragments (%d records in %d entries, %d bytes)", report.fragments,
+                     report.records, report.entries, report.bytes)
 
 
 def run(config: StandaloneConfig) -> None:
