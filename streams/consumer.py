@@ -149,7 +149,9 @@ class Consumer:
             return found.entry_id
         if f.last_entry_id is not None and f is not self.fragments[-1]:
             return f.last_entry_id + 1  # the offset starts the next fragment
-        return self.lac + 1  # past the end: wait for it
+        # Past the end: wait for it after the entries searched. Not ``self.lac + 1``: read answers
+        # raise the LAC during the search, and entries above the bound searched were not looked at.
+        return f_hi
 
     async def first_offset_of(self, f: Fragment) -> int:
         """A fragment's first record offset: from its record, else learnt from the entries."""
