@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from streams.batches import StoredBatch, records_of, stored_batch
 from streams.consumer import Consumer
-from streams.driver import ProducerOptions, WriterDriver
+from streams.driver import ProducerOptions
 from streams.errors import DataRemovedError, PayloadTooLarge, WriterWithdrawn
 from streams.offsets import next_batch, search_timestamp
 from streams.producer import Producer
@@ -75,24 +75,6 @@ class PartitionConfig:
             raise ValueError(f"invalid partition config {self}")
         if self.snapshot_interval_s <= 0 or self.max_state_scan_entries < 1 or self.max_producers < 1:
             raise ValueError(f"invalid partition config {self}")
-
-
-async def open_stream_producer(client, stream: str, options: ProducerOptions | None = None,
-                               **reader_options) -> tuple[Producer, Consumer]:
-    """Take one stream over: its ``Producer`` (next offset recovered from the last batch at or below
-    the LAC) and a ``Consumer`` of it opened after the take-over. ``client.producer`` would hand
-    back a ``TopicProducer`` over every partition for partition 0 of a multi-partition topic (whose
-    stream has the topic's name); a partition is served on its own, so it is opened here."""
-    driver = WriterDriver(client.cluster, stream, options)
-    await driver.open()
-    try:
-        meta, _ = await client.cluster.ledgers.get_ledger(driver.ledger_id)
-        reader = Consumer(client.cluster, meta, **reader_options)
-        next_offset = await reader.offset_after(driver.writer.lac)
-    except BaseException:
-        await driver.close()
-        raise
-    return Producer(driver, client.cluster.max_entry_bytes, next_offset, options), reader
 
 
 class PartitionLog:
@@ -128,9 +110,11 @@ class PartitionLog:
 
     # ---------------------------------------------------------------- life cycle
     async def open(self) -> None:
-        self.producer, self.reader = await open_stream_producer(
-            self.client, self.stream, LISTENER_PRODUCER, max_read_entries=self.config.max_read_entries,
-            max_read_bytes=self.config.max_read_bytes)
+        # the one writer of this partition's stream (a take-over; it recovers the next offset)
+        self.producer = await self.client.producer(self.topic, LISTENER_PRODUCER, partition=self.partition)
+        meta, _ = await self.client.cluster.ledgers.get_ledger(self.producer.stream_id)  # after the take-over
+        self.reader = Consumer(self.client.cluster, meta, max_read_entries=self.config.max_read_entries,
+                               max_read_bytes=self.config.max_read_bytes)
         self.stream_id = self.producer.stream_id
         lac = self.producer.lac
         self.high_watermark = self.producer.next_offset
