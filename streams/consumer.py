@@ -320,13 +320,21 @@ class Consumer:
             raise ReadFailedError(f"stream {self.name!r}: no fragment holds position {entry_id}")
         return f
 
-    async def _learn_lac(self, wait_s: float) -> None:
+    async def wait_lac(self, after: int, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the LAC to pass entry ``after`` (a long-poll LAC read on a
+        bookie of the last fragment, answered as soon as the LAC passes it); returns the LAC known
+        then. ``seen_term`` is updated too. For readers that serve entries themselves (``read_raw``)
+        rather than through ``read``, such as the Kafka listener."""
+        await self._learn_lac(timeout_s, after)
+        return self.lac
+
+    async def _learn_lac(self, wait_s: float, after: int | None = None) -> None:
         if not self.fragments:
             await self._refresh()
         last = self.fragments[-1]
         bookies = list(last.ensemble)
         self._rotate += 1
-        after = self.entry - 1
+        after = self.entry - 1 if after is None else after
         for i in range(len(bookies)):
             b = bookies[(self._rotate + i) % len(bookies)]
             client = self.cluster.client(b)
