@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from streams.client import connect  # noqa: E402
-from streams.localcluster import LocalCluster  # noqa: E402
+from streams.tools.localcluster import LocalCluster  # noqa: E402
 
 
 async def run(url: str, appends: int, rounds: int) -> None:

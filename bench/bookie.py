@@ -66,7 +66,7 @@ class CaseResult:
 class Bookie:
     def __init__(self, data_dir: Path, extra: list[str]) -> None:
         scroll = Path(sys.executable).with_name("scroll")
-        cmd = [str(scroll)] if scroll.exists() else [sys.executable, "-c", "from streams.cli import main; main()"]
+        cmd = [str(scroll)] if scroll.exists() else [sys.executable, "-c", "from streams.tools.cli import main; main()"]
         args = [*cmd, "bookie", "--data-dir", str(data_dir), "--port", "0", "--metrics-port", "0", "--log-level", "WARNING", *extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         line = self.proc.stdout.readline()

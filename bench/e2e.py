@@ -1,6 +1,6 @@
 """End to end on loopback: Scroll (etcd + 3 bookies, E=3 WQ=3 AQ=2) against NATS JetStream (3 servers, R3).
 
-How this works. Scroll runs as ``streams.localcluster.LocalCluster`` (a real etcd and three real
+How this works. Scroll runs as ``streams.tools.localcluster.LocalCluster`` (a real etcd and three real
 bookie processes; bookies fsync their journal before acknowledging) and is driven by the async
 client from this process. When ``nats-server`` is on the PATH, a three-node JetStream cluster is
 started on 127.0.0.1 (one store directory per server) and driven by ``nats-py`` from this process:
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from streams.client import connect  # noqa: E402
-from streams.localcluster import LocalCluster, free_port  # noqa: E402
+from streams.tools.localcluster import LocalCluster, free_port  # noqa: E402
 
 GOAL_KIB_PER_S = 60_000  # and >= 5x JetStream's 1 KiB full-speed figure (issue 12)
 GOAL_JS_RATIO = 5.0

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from streams.client import connect  # noqa: E402
-from streams.localcluster import LocalCluster, free_port  # noqa: E402
+from streams.tools.localcluster import LocalCluster, free_port  # noqa: E402
 
 GOAL_PRODUCE = 50_000
 GOAL_CONSUME = 100_000
@@ -187,7 +187,7 @@ def main() -> int:
     cluster = LocalCluster(base / "scroll", bookies=3).start()
     port = free_port()
     log = open(base / "shim.log", "wb")
-    shim = subprocess.Popen([sys.executable, "-m", "streams.cli", "kafka", "--metadata", cluster.metadata_url,
+    shim = subprocess.Popen([sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", cluster.metadata_url,
                              "--port", str(port), "--node-id", "0"], stdout=log, stderr=subprocess.STDOUT)
     bootstrap = f"127.0.0.1:{port}"
     results: dict = {"args": vars(args), "load_avg_start": os.getloadavg()}

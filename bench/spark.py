@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         if args.metadata:
             url = args.metadata
         else:
-            from streams.localcluster import LocalCluster
+            from streams.tools.localcluster import LocalCluster
 
             cluster = LocalCluster(work / "cluster", bookies=3).start()
             url = cluster.metadata_url

@@ -1,7 +1,7 @@
 """Retention policy: which sealed fragments at the front of a stream may go. Pure: no IO.
 
 A stream's policy lives in ``LedgerMeta.retention`` (a dict; the retention job in
-``streams/retention.py`` keeps its own bookkeeping there too, under ``deleting``)::
+``streams/tools/retention.py`` keeps its own bookkeeping there too, under ``deleting``)::
 
     {"max_age_s": 604800, "max_bytes": 10737418240, "keep_from": 1200, "respect_consumers": true}
 
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from .model import Fragment
 
 POLICY_KEYS = ("max_age_s", "max_bytes", "keep_from", "respect_consumers")
-DELETING = "deleting"  # the retention job's in-progress mark (see streams/retention.py)
+DELETING = "deleting"  # the retention job's in-progress mark (see streams/tools/retention.py)
 
 
 class InvalidPolicy(ValueError):

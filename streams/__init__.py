@@ -1,1 +1,2 @@
-"""The client side: producer/consumer API, drivers for the protocol core, and the ``scroll`` CLI."""
+"""The client library: the producer/consumer API, topics, and the drivers for the protocol core.
+Operator tools (the ``scroll`` CLI, admin, the retention job, standalone) are in ``streams.tools``."""

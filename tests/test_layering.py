@@ -57,5 +57,5 @@ def test_protocol_core_is_sans_io():
 def test_the_checker_sees_a_violation(tmp_path):
     """The scan is not vacuous: a file importing against the direction is reported."""
     f = tmp_path / "x.py"
-    f.write_text("import asyncio\nfrom streams.cli import main\n")
+    f.write_text("import asyncio\nfrom streams.tools.cli import main\n")
     assert imports_of(f) == {"asyncio", "streams"}

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 READY_RE = re.compile(r"bookie ready id=(\S+) address=(\S+)")
 # the `scroll` entry point of this interpreter's environment (.venv/bin/scroll)
 _SCRIPT = Path(sys.executable).with_name("scroll")
-SCROLL = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from streams.cli import main; main()"]
+SCROLL = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from streams.tools.cli import main; main()"]
 
 # Small files and caches so that rotation, flush and GC paths run in tests.
 SMALL = dict(

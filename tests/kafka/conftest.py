@@ -13,7 +13,7 @@ from compat_kafka.broker import BrokerConfig
 from compat_kafka.cli import serve
 from compat_kafka.groups import GroupConfig
 from compat_kafka.server import ServerConfig
-from streams.localcluster import LocalCluster, free_port
+from streams.tools.localcluster import LocalCluster, free_port
 
 # Consumer groups in tests: a short initial rebalance delay (Kafka's default is 3 s, ours 300 ms).
 FAST_GROUPS = GroupConfig(initial_rebalance_delay_ms=100)

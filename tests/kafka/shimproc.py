@@ -13,7 +13,7 @@ from pathlib import Path
 import crc32c
 
 from compat_kafka import codec
-from streams.localcluster import Proc, free_port
+from streams.tools.localcluster import Proc, free_port
 
 
 class ShimProcess(Proc):
@@ -24,7 +24,7 @@ class ShimProcess(Proc):
         # 5 s: a 2 s lease lapsed once on a loaded 2-core CI machine in a test that is not about
         # fail-over (the shim then rightly answered NOT_LEADER); fail-over tests pass their own TTL
         port = free_port()
-        argv = [sys.executable, "-m", "streams.cli", "kafka", "--metadata", metadata_url, "--port", str(port),
+        argv = [sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", metadata_url, "--port", str(port),
                 "--lease-ttl", str(lease_ttl_s), *args]
         if node_id is not None:
             argv += ["--node-id", str(node_id)]

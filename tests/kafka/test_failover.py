@@ -24,7 +24,7 @@ from compat_kafka.broker import Broker
 from compat_kafka.errors import code_for
 from compat_kafka.partition import PartitionConfig, PartitionLog
 from streams.client import connect
-from streams.localcluster import LocalCluster, free_port
+from streams.tools.localcluster import LocalCluster, free_port
 from tests.kafka.shimproc import RawConnection, ShimProcess, record_batch
 
 pytestmark = pytest.mark.process
@@ -119,7 +119,7 @@ def test_node_ids_and_metadata_spread_leadership(shims):
 
 def test_node_id_of_a_live_shim_is_refused(cluster, shims):
     # waits up to twice the TTL (a restarted shim's previous incarnation may still be expiring), then fails
-    dup = subprocess.run([sys.executable, "-m", "streams.cli", "kafka", "--metadata", cluster.metadata_url,
+    dup = subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", cluster.metadata_url,
                           "--port", str(free_port()), "--node-id", "7", "--lease-ttl", "1"],
                          capture_output=True, text=True, timeout=60)
     assert dup.returncode != 0

@@ -18,7 +18,7 @@ from kio.schema.list_offsets.v7.request import ListOffsetsPartition, ListOffsets
 from kio.schema.produce.v9 import ProduceRequest
 from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
 
-from streams.localcluster import LocalCluster
+from streams.tools.localcluster import LocalCluster
 from tests.kafka.shimproc import RawConnection, ShimProcess, record_batch
 
 pytestmark = pytest.mark.process

@@ -256,7 +256,7 @@ def test_retention_ages_kafka_batches_by_their_record_timestamps(kafka_cluster, 
     a Kafka client, the producer's CreateTime."""
     import dataclasses
 
-    from streams.retention import fragment_last_timestamp
+    from streams.tools.retention import fragment_last_timestamp
 
     p = Producer({"bootstrap.servers": shim.bootstrap, "acks": "all", "linger.ms": 20})
     for i in range(5):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from streams.localcluster import LocalCluster  # noqa: E402
+from streams.tools.localcluster import LocalCluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")

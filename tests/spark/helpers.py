@@ -61,9 +61,9 @@ def stream_names(url: str) -> list[str]:
 
 
 def remove_front_fragments(url: str, stream: str, n: int) -> int:
-    """Remove the first ``n`` fragments of ``stream`` with the retention job (``streams.retention.apply``:
+    """Remove the first ``n`` fragments of ``stream`` with the retention job (``streams.tools.retention.apply``:
     mark, trim on the bookies, drop the records). Returns the new earliest position."""
-    from streams import retention
+    from streams.tools import retention
 
     async def go():
         c = await aclient.connect(url)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from streams.localcluster import LocalCluster
+from streams.tools.localcluster import LocalCluster
 
 
 @pytest.fixture(scope="session")

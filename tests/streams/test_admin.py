@@ -1,4 +1,4 @@
-"""The admin commands (streams/admin.py via the scroll CLI) against a real 4-bookie LocalCluster."""
+"""The admin commands (streams/tools/admin.py via the scroll CLI) against a real 4-bookie LocalCluster."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import time
 import pytest
 
 from bookie.client import BookieClient
-from streams import admin
+from streams.tools import admin
 from streams.client import connect
-from streams.localcluster import LocalCluster
+from streams.tools.localcluster import LocalCluster
 from terms.messages import AddRequest
 from terms.quorum import write_set
 
 pytestmark = pytest.mark.process
-SCROLL = [sys.executable, "-m", "streams.cli"]
+SCROLL = [sys.executable, "-m", "streams.tools.cli"]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.process
-SCROLL = [sys.executable, "-m", "streams.cli"]
+SCROLL = [sys.executable, "-m", "streams.tools.cli"]
 
 
 def run(cluster, *args, input: bytes | None = None, check=True):

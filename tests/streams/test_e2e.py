@@ -312,7 +312,7 @@ def test_the_last_entry_becomes_visible_without_another_append(client, stream_na
 
 def test_metadata_store_down_is_a_clear_error():
     from fragments.store import MetadataUnavailable
-    from streams.localcluster import free_port
+    from streams.tools.localcluster import free_port
 
     with pytest.raises(MetadataUnavailable, match="127.0.0.1"):
         with connect(f"etcd://127.0.0.1:{free_port()}") as c:

@@ -1,4 +1,4 @@
-"""The retention job (streams/retention.py) against real etcd + real bookie processes."""
+"""The retention job (streams/tools/retention.py) against real etcd + real bookie processes."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from bookie.errors import NoSuchEntryError, NoSuchLedgerError
 from fragments.ledgers import fragment_key, fragments_prefix
 from fragments.model import Fragment
 from fragments.retention import DELETING
-from streams import retention
+from streams.tools import retention
 from streams.client import connect
 from streams.errors import DataRemovedError
-from streams.localcluster import LocalCluster
+from streams.tools.localcluster import LocalCluster
 
 pytestmark = pytest.mark.process
-SCROLL = [sys.executable, "-m", "streams.cli"]
+SCROLL = [sys.executable, "-m", "streams.tools.cli"]
 NO_FLOORS: list = []
 
 

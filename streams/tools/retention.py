@@ -68,9 +68,9 @@ from fragments.model import Fragment, LedgerMeta
 from fragments.retention import DELETING, Decision, InvalidPolicy, Policy, evaluate
 from fragments.store import MetadataError
 
-from .batches import RecordFormatError, stored_batch
-from .consumer import Consumer
-from .errors import InvalidArgument, NoSuchStream, ScrollError
+from ..batches import RecordFormatError, stored_batch
+from ..consumer import Consumer
+from ..errors import InvalidArgument, NoSuchStream, ScrollError
 
 log = logging.getLogger(__name__)
 

@@ -168,7 +168,7 @@ class LocalCluster:
     def _bookie_proc(self, i: int) -> Proc:
         port = self.bookie_ports[i]
         d = self.dir / f"bookie-{i}"
-        args = [self.python, "-m", "streams.cli", "bookie", "--data-dir", str(d), "--port", str(port),
+        args = [self.python, "-m", "streams.tools.cli", "bookie", "--data-dir", str(d), "--port", str(port),
                 "--bookie-id", f"bookie-{i}", "--metadata", self.metadata_url, "--log-level", "WARNING",
                 *self.bookie_args]
         if self.bookie_metrics_ports:
@@ -177,7 +177,7 @@ class LocalCluster:
 
     def start_bookie(self, i: int, wait: bool = True, timeout_s: float = 30.0) -> None:
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         self.bookies[i].start(env)
         if wait:

@@ -67,8 +67,8 @@ def _exit_with_parent() -> None:
 
 
 def _client(metadata: str):
-    from .errors import ScrollError
-    from .sync import connect
+    from ..errors import ScrollError
+    from ..sync import connect
 
     try:
         return connect(metadata)
@@ -135,7 +135,7 @@ def _retention_dict(max_age, max_bytes) -> dict | None:
 def stream_create(name, ensemble, write_quorum, ack_quorum, fragment_bytes, fragment_entries, retention_max_age,
                   retention_max_bytes, metadata, as_json):
     """Create a stream (a one-partition topic of the same name, readable by Kafka clients)."""
-    from .errors import ScrollError
+    from ..errors import ScrollError
 
     with _client(metadata) as c:
         try:
@@ -206,7 +206,7 @@ def stream_describe(name, metadata, as_json):
 @metadata_option
 def stream_delete(name, metadata):
     """Delete a stream's metadata (bookies reclaim its data in garbage collection)."""
-    from .errors import ScrollError
+    from ..errors import ScrollError
 
     with _client(metadata) as c:
         try:
@@ -346,7 +346,7 @@ def topic_delete(name, metadata):
 
 # ---------------------------------------------------------------------------------------- data
 def _target(name: str, partition: int | None) -> str:
-    from .topics import partition_stream
+    from ..topics import partition_stream
 
     if partition is None:
         return name
@@ -424,7 +424,7 @@ def consume(stream_name, start, partition, follow, max_records, metadata, as_jso
     """
     import asyncio
 
-    from .errors import DataRemovedError, NoSuchTopic
+    from ..errors import DataRemovedError, NoSuchTopic
 
     if start in ("earliest", "latest"):
         start_at = start
@@ -563,7 +563,7 @@ def demo(seeds: int, first_seed: int) -> None:
     """Run the deterministic cluster simulator (from a source checkout) and print what it checked."""
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     if not (root / "tests" / "sim").is_dir():
         raise click.ClickException("the simulator lives in tests/sim of a source checkout")
     sys.path.insert(0, str(root))
@@ -580,8 +580,8 @@ def _arun(metadata: str, fn):
     from fragments.retention import InvalidPolicy
     from fragments.store import MetadataError
 
-    from .client import connect
-    from .errors import ScrollError
+    from ..client import connect
+    from ..errors import ScrollError
 
     async def go():
         try:

@@ -2,7 +2,7 @@
 
 How this works. ``Standalone`` starts, in order, an etcd server (``--data-dir``/etcd), three
 bookies (``--data-dir``/bookie-N, each with its own Prometheus endpoint) through
-``streams.localcluster.LocalCluster``, and the Kafka listener as a ``scroll kafka`` child process.
+``streams.tools.localcluster.LocalCluster``, and the Kafka listener as a ``scroll kafka`` child process.
 Everything listens on 127.0.0.1 on fixed ports (so a restart finds the same endpoints and the
 fragments that name the bookies still resolve) and each port can be changed. In its own process
 it then serves a metrics endpoint (processes up, restarts, streams and their bytes, retention
@@ -110,7 +110,7 @@ class Standalone:
 
     def _kafka_proc(self) -> Proc:
         c = self.config
-        args = [sys.executable, "-m", "streams.cli", "kafka", "--metadata", c.metadata_url, "--host", "127.0.0.1",
+        args = [sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", c.metadata_url, "--host", "127.0.0.1",
                 "--port", str(c.kafka_port), "--default-partitions", str(c.default_partitions), *c.extra_kafka_args]
         return Proc("kafka", args, c.kafka_port, self.dir / "kafka" / "kafka.log")
 
@@ -160,7 +160,7 @@ class Standalone:
     @staticmethod
     def _child_env() -> dict:
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
@@ -226,7 +226,7 @@ class Standalone:
         ])
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        from .client import connect
+        from ..client import connect
 
         client = await connect(self.config.metadata_url)
         next_retention = time.monotonic() + min(10.0, self.config.retention_interval_s)

@@ -49,9 +49,9 @@ from terms.messages import AddRequest
 from terms.quorum import write_set, write_set_indexes
 from terms.reader import copy_is_current
 
-from .batches import RecordFormatError, records_of, stored_batch
-from .driver import WriterDriver
-from .errors import InvalidArgument, NoSuchStream, ScrollError
+from ..batches import RecordFormatError, records_of, stored_batch
+from ..driver import WriterDriver
+from ..errors import InvalidArgument, NoSuchStream, ScrollError
 
 log = logging.getLogger(__name__)
 
