@@ -13,8 +13,8 @@ import time
 import pytest
 
 from bookie.client import BookieClient
-from streams.tools import admin
 from streams.client import connect
+from streams.tools import admin
 from streams.tools.localcluster import LocalCluster
 from terms.messages import AddRequest
 from terms.quorum import write_set

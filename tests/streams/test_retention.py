@@ -17,9 +17,9 @@ from bookie.errors import NoSuchEntryError, NoSuchLedgerError
 from fragments.ledgers import fragment_key, fragments_prefix
 from fragments.model import Fragment
 from fragments.retention import DELETING
-from streams.tools import retention
 from streams.client import connect
 from streams.errors import DataRemovedError
+from streams.tools import retention
 from streams.tools.localcluster import LocalCluster
 
 pytestmark = pytest.mark.process
