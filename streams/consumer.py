@@ -43,7 +43,8 @@ SCAN_BACK_ENTRIES = 64  # entries read at a time when looking back for the last 
 
 class Consumer:
     def __init__(self, cluster, meta: LedgerMeta, *, long_poll_s: float = 30.0, speculative_s: float = 0.05,
-                 max_read_entries: int = 1000, max_read_bytes: int = 4 << 20, index_points: int = 10_000):
+                 max_read_entries: int = 1000, max_read_bytes: int = 4 << 20, index_points: int = 10_000,
+                 read_ahead: bool = True):
         self.cluster = cluster
         self.meta = meta
         self.name = meta.name
@@ -63,6 +64,8 @@ class Consumer:
         self._read_end = 0  # end offset of the last batch read into the buffer
         self._first_offsets: dict[tuple[int, int], int] = {}  # (fragment index, first entry) -> offset
         self._end_cache: tuple[int, int] = (-2, 0)  # (entry id, offset after it)
+        self.read_ahead = read_ahead
+        self._prefetch: tuple[int, asyncio.Future] | None = None  # (first entry, its read)
 
     # ---------------------------------------------------------------- position
     async def start_at(self, start) -> None:
@@ -76,6 +79,9 @@ class Consumer:
             await self.seek(int(start))
 
     def _set(self, offset: int, entry: int) -> None:
+        if self._prefetch is not None and self._prefetch[0] != entry:
+            self._prefetch[1].cancel()
+            self._prefetch = None
         self.position, self.entry = offset, entry
         self._buf, self._buf_at, self._read_end = [], 0, offset
 
@@ -247,7 +253,12 @@ class Consumer:
                 await self._learn_lac(max(0.0, deadline - loop.time()))
                 continue
             last = min(self.lac, self.entry + self.max_read_entries - 1)
-            result = await self._read_range(self.entry, last)
+            result = await self._take_range(self.entry, last)
+            nxt = result[-1].entry_id + 1
+            if nxt <= self.lac and self.read_ahead:  # read the next range while this one is decoded
+                t = asyncio.ensure_future(self._read_range(nxt, min(self.lac, nxt + self.max_read_entries - 1)))
+                t.add_done_callback(_retrieved)  # a read-ahead nobody takes must not log its error
+                self._prefetch = (nxt, t)
             buf = []
             for e in result:
                 try:
@@ -271,6 +282,22 @@ class Consumer:
             else:
                 self.position = max(self.position, self._read_end)
         return out
+
+    async def _take_range(self, first: int, last: int):
+        """Entries from ``first``: the read-ahead started by the previous ``read`` if it starts
+        there, else a read now."""
+        pre, self._prefetch = self._prefetch, None
+        if pre is not None:
+            if pre[0] == first:
+                return await pre[1]
+            await _cancel(pre[1])
+        return await self._read_range(first, last)
+
+    async def close(self) -> None:
+        """Stop a read-ahead in flight (a consumer holds no other resources)."""
+        pre, self._prefetch = self._prefetch, None
+        if pre is not None:
+            await _cancel(pre[1])
 
     async def read_raw(self, first: int, last: int):
         """Raw entries ``first..last`` (clipped to what one replica read returns), no-ops included.
@@ -460,3 +487,14 @@ class Consumer:
             out.append(e)
             expect += 1
         return out
+
+
+async def _cancel(t: asyncio.Future) -> None:
+    t.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await t
+
+
+def _retrieved(t: asyncio.Future) -> None:
+    if not t.cancelled():
+        t.exception()
