@@ -3,6 +3,8 @@
 Reads a stream of events (key = account, value = an amount as text, timestamp = event time),
 counts and sums the amounts per key in tumbling event-time windows with a watermark, and writes
 each closed window both to Parquet files and to another Scroll stream (exactly once, as JSON).
+Both streams are one-partition topics (Kafka clients read them through the Kafka listener too);
+the source's checkpointed offsets are record offsets, as in Spark's Kafka source.
 
     scroll standalone &                                    # etcd + 3 bookies on 127.0.0.1
     .venv/bin/python examples/pipeline.py --demo           # make sample events, run to the end
@@ -56,10 +58,11 @@ def make_demo_events(metadata: str, source: str, sink: str, n: int = 600) -> int
             except StreamExists:
                 pass
         t0 = (int(time.time()) // 60 - 10) * 60 * 1000  # a whole minute, in the past
+        events = [{"value": str(i % 7).encode(), "key": f"acct-{i % 3}".encode(), "timestamp_ms": t0 + i * 60_000 // n}
+                  for i in range(n)]
+        events.append({"value": b"0", "key": b"acct-0", "timestamp_ms": t0 + 180_000})
         with c.producer(source) as p:
-            for i in range(n):
-                p.append(str(i % 7).encode(), key=f"acct-{i % 3}".encode(), timestamp_ms=t0 + i * 60_000 // n)
-            p.append(b"0", key=b"acct-0", timestamp_ms=t0 + 180_000)
+            p.append_many(events)  # record batches: many events per entry
     return t0
 
 
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
         with connect(args.metadata) as c:
             recs = c.consumer(args.sink).read(5)
         for r in recs:
-            print(f"{args.sink}@{r.position}: {r.key.decode()} {json.loads(r.value)}")
+            print(f"{args.sink}@{r.offset}: {r.key.decode()} {json.loads(r.value)}")
     finally:
         spark.stop()
     return 0

@@ -9,11 +9,14 @@ The option names and meanings mirror Spark's Kafka source:
 
 =====================  ==========================================================================
 ``metadata``           the metadata store URL (``etcd://127.0.0.1:2379``); required
-``streams``            comma-separated stream names (Kafka: ``subscribe``)
-``streamPattern``      a regular expression matched against whole stream names (``subscribePattern``)
-``startingOffsets``    ``earliest`` | ``latest`` | JSON ``{"stream": position}`` (-2 earliest, -1 latest)
-``endingOffsets``      batch only: ``latest`` | JSON (-1 latest)
-``maxRecordsPerTrigger`` streaming admission control, in stream positions (see docs/spark.md)
+``topics``             comma-separated topic names: every partition stream of each (Kafka: ``subscribe``)
+``topicPattern``       a regular expression matched against whole topic names (``subscribePattern``)
+``streams``            comma-separated stream names (a partition stream ``orders:2`` included)
+``streamPattern``      a regular expression matched against whole stream names
+``startingOffsets``    ``earliest`` | ``latest`` | JSON of record offsets, by stream ``{"orders": 42}`` or by
+                       topic and partition ``{"orders": {"0": 42, "1": 7}}`` (-2 earliest, -1 latest)
+``endingOffsets``      batch only: ``latest`` | JSON as above (exclusive; -1 latest)
+``maxRecordsPerTrigger`` streaming admission control: records per micro-batch
 ``failOnDataLoss``     ``true`` (default) | ``false``
 ``minPartitions``      split large ranges so at least this many tasks read in parallel
 ``includeHeaders``     ``false`` (default) | ``true``: add the ``headers`` column
@@ -27,9 +30,11 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from streams.topics import partition_stream
+
 EARLIEST = "earliest"
 LATEST = "latest"
-# A position in a JSON offsets option may be -2 (earliest) or -1 (latest), as in Kafka.
+# An offset in a JSON offsets option may be -2 (earliest) or -1 (latest), as in Kafka.
 JSON_EARLIEST = -2
 JSON_LATEST = -1
 
@@ -85,8 +90,17 @@ def _metadata(options: Mapping[str, str]) -> str:
     return url
 
 
+def _offset_value(name: str, where: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < JSON_EARLIEST:
+        raise ScrollOptionError(f"option {name!r}: the offset of {where} must be an integer >= 0 "
+                                f"(or -2 earliest, -1 latest), got {v!r}")
+    return v
+
+
 def parse_offsets(name: str, value: str | None, default: str, allowed_words: tuple[str, ...]) -> str | dict[str, int]:
-    """``earliest``/``latest`` (as allowed) or a JSON object of stream -> position (-2/-1 allowed)."""
+    """``earliest``/``latest`` (as allowed) or JSON record offsets, returned by stream name: either
+    ``{"stream": offset}`` or, as Spark's Kafka source, ``{"topic": {"partition": offset}}`` (partition
+    p of topic t is the stream ``t`` for p = 0 and ``t:p`` after; -2 earliest and -1 latest allowed)."""
     if value is None:
         return default
     s = value.strip()
@@ -100,21 +114,35 @@ def parse_offsets(name: str, value: str | None, default: str, allowed_words: tup
     except ValueError:
         raise ScrollOptionError(
             f"option {name!r} must be {' or '.join(allowed_words)} or a JSON object like "
-            f'{{"orders": 42}}, got {value!r}') from None
+            f'{{"orders": 42}} or {{"orders": {{"0": 42, "1": 7}}}}, got {value!r}') from None
     if not isinstance(parsed, dict):
-        raise ScrollOptionError(f"option {name!r}: the JSON must be an object of stream -> position, got {value!r}")
+        raise ScrollOptionError(f"option {name!r}: the JSON must be an object of stream -> offset or "
+                                f"topic -> {{partition -> offset}}, got {value!r}")
     out: dict[str, int] = {}
-    for stream, pos in parsed.items():
-        if isinstance(pos, bool) or not isinstance(pos, int) or pos < JSON_EARLIEST:
-            raise ScrollOptionError(f"option {name!r}: position of stream {stream!r} must be an integer >= 0 "
-                                    f"(or -2 earliest, -1 latest), got {pos!r}")
-        out[str(stream)] = pos
+    for key, v in parsed.items():
+        if isinstance(v, dict):  # Kafka's form: topic -> partition -> offset
+            for part, off in v.items():
+                try:
+                    p = int(part)
+                except ValueError:
+                    p = -1
+                if p < 0:
+                    raise ScrollOptionError(f"option {name!r}: partition {part!r} of topic {key!r} must be an "
+                                            "integer >= 0")
+                out[partition_stream(str(key), p)] = _offset_value(name, f"topic {key!r} partition {p}", off)
+        else:
+            out[str(key)] = _offset_value(name, f"stream {key!r}", v)
     return out
+
+
+_SOURCES = ("topics", "topicPattern", "streams", "streamPattern")
 
 
 @dataclass(frozen=True)
 class ReadOptions:
     metadata: str
+    topics: tuple[str, ...] | None
+    topic_pattern: str | None
     streams: tuple[str, ...] | None
     pattern: str | None
     starting: str | dict[str, int]
@@ -127,21 +155,26 @@ class ReadOptions:
     @classmethod
     def parse(cls, options: Mapping[str, str], *, streaming: bool) -> ReadOptions:
         metadata = _metadata(options)
-        names = _get(options, "streams")
-        pattern = _get(options, "streamPattern")
-        if (names is None) == (pattern is None):
-            raise ScrollOptionError("set exactly one of the options 'streams' (comma-separated names) and "
-                                    "'streamPattern' (a regular expression)")
-        streams = None
-        if names is not None:
-            streams = tuple(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
-            if not streams:
-                raise ScrollOptionError("option 'streams' names no stream")
-        if pattern is not None:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ScrollOptionError(f"option 'streamPattern' is not a valid regular expression: {exc}") from None
+        given = {k: _get(options, k) for k in _SOURCES}
+        if sum(v is not None for v in given.values()) != 1:
+            raise ScrollOptionError("set exactly one of the options 'topics', 'topicPattern', 'streams' and "
+                                    "'streamPattern' (names are comma-separated, patterns regular expressions)")
+
+        def names(opt: str) -> tuple[str, ...] | None:
+            v = given[opt]
+            if v is None:
+                return None
+            out = tuple(dict.fromkeys(n.strip() for n in v.split(",") if n.strip()))
+            if not out:
+                raise ScrollOptionError(f"option {opt!r} names nothing")
+            return out
+
+        for opt in ("topicPattern", "streamPattern"):
+            if given[opt] is not None:
+                try:
+                    re.compile(given[opt])
+                except re.error as exc:
+                    raise ScrollOptionError(f"option {opt!r} is not a valid regular expression: {exc}") from None
         if streaming:
             starting = parse_offsets("startingOffsets", _get(options, "startingOffsets"), LATEST, (EARLIEST, LATEST))
             if _get(options, "endingOffsets") is not None:
@@ -156,8 +189,10 @@ class ReadOptions:
                 raise ScrollOptionError("option 'endingOffsets': -2 (earliest) is not allowed")
         return cls(
             metadata=metadata,
-            streams=streams,
-            pattern=pattern,
+            topics=names("topics"),
+            topic_pattern=given["topicPattern"],
+            streams=names("streams"),
+            pattern=given["streamPattern"],
             starting=starting,
             ending=ending,
             max_records_per_trigger=_int(options, "maxRecordsPerTrigger", None, 1),
@@ -167,23 +202,31 @@ class ReadOptions:
         )
 
 
+MAX_BATCH_BYTES = (1 << 20) - 512  # a built record batch must fit one entry (1 MiB) with its envelope
+
+
 @dataclass(frozen=True)
 class WriteOptions:
     metadata: str
-    stream: str
+    stream: str  # a stream, or a topic of several partitions (rows go to partitions by key)
     create: bool
+    partitions: int  # for createStream
     ensemble: int
     write_quorum: int
     ack_quorum: int
     inline_bytes: int  # task output up to this size travels in the commit message, beyond it a staging stream
+    batch_bytes: int  # the size a task's record batches grow to before the next one starts
     test_fail: str | None  # test-only fault hook, see sink.py
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriteOptions:
         metadata = _metadata(options)
-        stream = _get(options, "stream")
+        stream, topic = _get(options, "stream"), _get(options, "topic")
+        if stream and topic:
+            raise ScrollOptionError("set one of the options 'stream' and 'topic' (the same thing), not both")
+        stream = stream or topic
         if not stream:
-            raise ScrollOptionError("option 'stream' is required: the stream to append to")
+            raise ScrollOptionError("option 'stream' (or 'topic') is required: the stream or topic to append to")
         if stream.startswith(STAGING_PREFIX):
             raise ScrollOptionError(f"option 'stream': names starting with {STAGING_PREFIX!r} are reserved for staging")
         ensemble = _int(options, "ensemble", 3, 1)
@@ -191,13 +234,18 @@ class WriteOptions:
         aq = _int(options, "ackQuorum", min(2, wq), 1)
         if not ensemble >= wq >= aq:
             raise ScrollOptionError(f"need ensemble >= writeQuorum >= ackQuorum, got {ensemble}/{wq}/{aq}")
+        batch_bytes = _int(options, "batchBytes", MAX_BATCH_BYTES, 1)
+        if batch_bytes > MAX_BATCH_BYTES:
+            raise ScrollOptionError(f"option 'batchBytes' must be <= {MAX_BATCH_BYTES} (one entry), got {batch_bytes}")
         return cls(
             metadata=metadata,
             stream=stream,
             create=_bool(options, "createStream", False),
+            partitions=_int(options, "partitions", 1, 1),
             ensemble=ensemble,
             write_quorum=wq,
             ack_quorum=aq,
             inline_bytes=_int(options, "stageInlineBytes", 1 << 20, 0),
+            batch_bytes=batch_bytes,
             test_fail=_get(options, "testFailpoint"),
         )

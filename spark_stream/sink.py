@@ -1,31 +1,40 @@
 """The writing side of the ``scroll`` data source: batch and streaming writers that append rows to
-one stream, exactly once per micro-batch.
+one stream (or to the partitions of a topic, by key), exactly once per micro-batch.
 
 Why staging. A stream has exactly one writer: opening a producer takes the stream over (a new
 term), and a writer that was taken over fails. Spark runs a batch as many tasks on many executors,
 so tasks cannot all append to the target: they would fence each other. Instead:
 
-1. Each task (``write``, on an executor) encodes its rows as Scroll records. Up to
-   ``stageInlineBytes`` (default 1 MiB) of them travel back to the driver inside the task's
-   commit message; beyond that the task writes them to its own *staging stream*
-   ``_spark.<query>.<batch>.<partition>.<attempt>`` (same replication as the target) and the
-   message names it. Streaming rows carry one extra header, ``scroll.spark.batch`` =
-   ``<queryId>:<batchId>``, which marks the micro-batch that wrote them.
-2. The driver's ``commit(messages, batchId)`` is the only writer of the target. Using the commit
-   record this query keeps in the target's ``LedgerMeta.extra["spark"][queryId]``:
+1. Each task (``write``, on an executor; Spark hands it Arrow record batches) builds its rows into
+   **Kafka record batches** (aiokafka's builder, up to ``batchBytes``, ~1 MiB: the format every
+   stream stores, see ``streams/batches.py``), one open batch per target partition: a row with a
+   key goes to Kafka's default partition for it (murmur2), keyless rows of a task to partition
+   ``task index mod partitions``. Up to ``stageInlineBytes`` (default 1 MiB) of batches travel back
+   to the driver inside the task's commit message; beyond that the task appends them as they are
+   (``Producer.append_batch``) to its own *staging stream* ``_spark.<query>.<batch>.<partition>.<attempt>``
+   (same replication as the target) and the message names it and lists each batch's partition.
+   Streaming rows carry one extra header, ``scroll.spark.batch`` = ``<queryId>:<batchId>``, which
+   marks the micro-batch that wrote them.
+2. The driver's ``commit(messages, batchId)`` is the only writer of the target. It forwards the
+   batches as they are (``append_batch`` only sets each batch's base offset; no record is decoded
+   or re-encoded), so the driver's cost is per batch, not per row. Using the commit record this
+   query keeps in the target's ``LedgerMeta.extra["spark"][queryId]`` (of partition 0's stream for
+   a topic):
 
    * ``batch >= batchId``: the batch was already committed (Spark replays the last batch after a
      restart); nothing is appended.
-   * otherwise it records an *intent* ``{"pending": batchId, "from": P}`` by CAS, where ``P`` is
-     the target's end position before the copy (a lower bound of where the copy lands), opens one
-     producer, appends every staged record, flushes, closes, and CASes the record to
-     ``{"batch": batchId, "end": E}``.
+   * otherwise it records an *intent* ``{"pending": batchId, "from": {stream: P}}`` by CAS, where
+     ``P`` is each target partition's end offset before the copy (a lower bound of where the copy
+     lands), opens the producer(s), appends every staged batch, flushes, closes, and CASes the
+     record to ``{"batch": batchId, "end": {stream: E}}``.
    * if the record already shows ``pending == batchId``, an earlier attempt crashed between the
      intent and the final CAS, possibly mid-copy. The records of the batch that made it are found
-     by scanning the target from ``P`` for the batch's header, and only the missing ones are
+     by scanning each partition from its ``P`` for the batch's header, and only the missing ones are
      appended (matched by content: key, value and headers, as a multiset — so a re-executed batch
-     whose rows come back in another order is still completed exactly). A take-over in between
-     truncated any unacknowledged tail, so what the scan sees is final.
+     whose rows come back in another order or other batches is still completed exactly; a batch
+     with none of its records present is forwarded as is, the others re-built from the missing
+     records). A take-over in between truncated any unacknowledged tail, so what the scan sees is
+     final.
 
    Then the staging streams of this and earlier batches of the query are deleted. ``abort``
    deletes the batch's staging streams.
@@ -37,11 +46,12 @@ The query id is Spark's ``queryId`` (stable across restarts from the same checkp
 executors see as the local property ``sql.streaming.queryId``; the batch id is
 ``streaming.sql.batchId``. The commit process on the driver gets both from the messages.
 
-Batch (non-streaming) writes use the same staging and single-producer copy, with a fresh job id
-and no commit record: a failed job that is re-run may append twice (as Kafka's batch sink).
+Batch (non-streaming) writes use the same staging and copy, with a fresh job id and no commit
+record: a failed job that is re-run may append twice (as Kafka's batch sink).
 
-Cost: every row is written twice when staged (inline rows once plus a trip through the driver),
-and each committed micro-batch is one take-over of the target (one no-op position) plus two CASes.
+Cost: staged rows are written twice (staging stream, then target); inline ones travel through the
+driver once. Each committed micro-batch is one take-over of each target partition (a no-op entry,
+no offsets) plus two CASes.
 """
 
 from __future__ import annotations
@@ -50,17 +60,17 @@ import asyncio
 import copy
 import hashlib
 import logging
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
 
-from pyspark.sql.datasource import DataSourceStreamWriter, DataSourceWriter, WriterCommitMessage
+from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import ArrayType, BinaryType, StringType, StructType, TimestampType
 
-from streams import records
-from streams.errors import NoSuchStream, StaleTermError, StreamExists
-from terms import entry as entry_codec
+from streams.batches import BatchBuilder, records_of, stored_batch
+from streams.errors import DataRemovedError, NoSuchStream, NoSuchTopic, StaleTermError, StreamExists, TopicExists
+from streams.topics import partition_for, partition_stream
 
 from .options import STAGING_PREFIX, ScrollOptionError, WriteOptions
 from .runtime import runtime
@@ -70,6 +80,7 @@ log = logging.getLogger("spark_stream")
 BATCH_HEADER = "scroll.spark.batch"
 EXTRA_KEY = "spark"
 _COMMIT_ATTEMPTS = 5
+_MAX_ENTRY_BYTES = 1 << 20
 
 
 class ScrollWriteError(RuntimeError):
@@ -82,15 +93,18 @@ class FailpointHit(RuntimeError):
 
 @dataclass
 class StagedOutput(WriterCommitMessage):
-    """What one task wrote: records inline, or the name of its staging stream."""
+    """What one task wrote: record batches inline as (target partition, batch bytes), or the name
+    of its staging stream and the target partition of each batch in it, in order."""
 
     query: str
     batch: int
     partition: int
     attempt: int
-    count: int
-    inline: list[bytes] = field(default_factory=list)
+    count: int = 0
+    partitions: int = 1  # the target's partition count the task partitioned by
+    inline: list[tuple[int, bytes]] = field(default_factory=list)
     staging: str | None = None
+    staged: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------- schema
@@ -120,45 +134,73 @@ def check_schema(schema: StructType) -> tuple[str, ...]:
                  if n in byname and (n != "timestamp" or ts is not None))
 
 
-def _bytes(v, what: str) -> bytes | None:
-    if v is None or isinstance(v, bytes):
-        return v
-    if isinstance(v, str):
-        return v.encode()
-    if isinstance(v, (bytearray, memoryview)):
-        return bytes(v)
-    raise ScrollWriteError(f"{what} must be binary or string, got {type(v).__name__}")
+def _bytes_list(col) -> list:
+    """An Arrow binary or string column as a list of bytes (None kept)."""
+    import pyarrow as pa
+
+    t = col.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        col = col.cast(pa.large_binary())
+    return col.to_pylist()
 
 
-def encode_row(row, cols: tuple[str, ...], extra_headers: list) -> bytes:
-    d = row.asDict() if hasattr(row, "asDict") else dict(row)
-    lower = {k.lower(): d[k] for k in cols}
-    value = _bytes(lower.get("value"), "value")
-    if value is None:
-        raise ScrollWriteError("the scroll sink cannot write a row whose value is null")
-    key = _bytes(lower.get("key"), "key")
-    headers = []
-    for h in lower.get("headers") or ():
-        hk = h["key"]
-        if hk is None:
-            raise ScrollWriteError("a header key is null")
-        headers.append((str(hk), _bytes(h["value"], f"header {hk!r}")))
-    ts = lower.get("timestamp")
-    ts_ms = int(ts.timestamp() * 1000) if isinstance(ts, datetime) else None
-    return records.encode(value, key, headers + extra_headers, ts_ms)
+def _millis_list(col) -> list:
+    """An Arrow timestamp column as epoch milliseconds (None kept)."""
+    import pyarrow as pa
+
+    ints = col.cast(pa.int64()).to_pylist()
+    unit = col.type.unit
+    if unit == "ms":
+        return ints
+    if unit == "s":
+        return [None if v is None else v * 1000 for v in ints]
+    div = 1000 if unit == "us" else 1_000_000
+    return [None if v is None else v // div for v in ints]
 
 
-def content_key(payload: bytes) -> bytes:
+def arrow_rows(batch, cols: tuple[str, ...]):
+    """(value, key, headers, timestamp_ms) per row of an Arrow record batch, in order."""
+    names = {n.lower(): n for n in batch.schema.names}
+    lower = {c.lower() for c in cols}
+    n = batch.num_rows
+    values = _bytes_list(batch.column(names["value"]))
+    keys = _bytes_list(batch.column(names["key"])) if "key" in lower else [None] * n
+    headers = batch.column(names["headers"]).to_pylist() if "headers" in lower else None
+    stamps = _millis_list(batch.column(names["timestamp"])) if "timestamp" in lower else [None] * n
+    for i in range(n):
+        if values[i] is None:
+            raise ScrollWriteError("the scroll sink cannot write a row whose value is null")
+        hs = []
+        if headers is not None and headers[i]:
+            for h in headers[i]:
+                hk = h["key"]
+                if hk is None:
+                    raise ScrollWriteError("a header key is null")
+                hs.append((str(hk), h["value"]))
+        yield values[i], keys[i], hs, stamps[i]
+
+
+def content_key(key: bytes | None, value: bytes | None, headers) -> bytes:
     """What identifies a copied record for completion after a crash: key, value and user headers."""
-    r = records.decode(payload)
-    user = [(k, v) for k, v in r.headers if k != BATCH_HEADER]
-    return hashlib.blake2b(records.encode(r.value, r.key, user, 0), digest_size=16).digest()
+    h = hashlib.blake2b(digest_size=16)
+    for part in (key, value):
+        h.update(b"\xff" if part is None else len(part).to_bytes(8, "big") + part)
+    for k, v in headers:
+        if k == BATCH_HEADER:
+            continue
+        kb = k.encode()
+        h.update(len(kb).to_bytes(8, "big") + kb)
+        h.update(b"\xff" if v is None else len(v).to_bytes(8, "big") + v)
+    return h.digest()
 
 
-def _has_tag(payload: bytes, tag: bytes) -> bool:
-    if tag not in payload:  # cheap pre-check before decoding
-        return False
-    return any(k == BATCH_HEADER and v == tag for k, v in records.decode(payload).headers)
+def _has_tag(headers, tag: bytes) -> bool:
+    return any(k == BATCH_HEADER and v == tag for k, v in headers)
+
+
+def _batch_count(raw) -> int:
+    """Records (offsets) of a record batch (no envelope): lastOffsetDelta + 1."""
+    return int.from_bytes(raw[23:27], "big", signed=True) + 1
 
 
 def staging_name(query: str, batch: int, partition: int, attempt: int) -> str:
@@ -175,9 +217,17 @@ def _staging_batch(name: str, query: str) -> int | None:
         return None
 
 
+async def target_streams(client, name: str) -> list[str]:
+    """The streams of a target: every partition of a topic, or the one stream (``t:p`` included)."""
+    if ":" in name:
+        await client.describe_stream(name)
+        return [name]
+    return (await client.describe_topic(name)).streams()
+
+
 # ---------------------------------------------------------------------------------------- executors
 class _Stager:
-    """Appends one task's records to its own staging stream (async client on the runtime loop)."""
+    """Appends one task's record batches to its own staging stream (async client on the runtime loop)."""
 
     def __init__(self, opts: WriteOptions, name: str):
         self.rt = runtime()
@@ -188,21 +238,22 @@ class _Stager:
         self.producer = self.rt.run(self._open(), timeout=120)
 
     async def _open(self):
-        target = await self.client.describe_stream(self.opts.stream)
+        target = await self.client.describe_stream(partition_stream(self.opts.stream, 0))
         cfg = target.meta.config
         for _ in range(3):
             try:
                 await self.client.create_stream(self.name, ensemble=cfg.ensemble_size, write_quorum=cfg.write_quorum,
                                                 ack_quorum=cfg.ack_quorum)
                 break
-            except StreamExists:  # left by an earlier run of this batch that died: it is garbage
+            except (StreamExists, TopicExists):  # left by an earlier run of this batch that died: it is garbage
                 await self.client.delete_stream(self.name)
         return await self.client.producer(self.name)
 
-    def add(self, entries: list[bytes]) -> None:
+    def add(self, batches: list[bytes]) -> None:
         async def go():
-            for e in entries:
-                self.futs.append(await self.producer.append_raw(e))
+            for raw in batches:
+                await self.producer.wait_for_space()
+                self.futs.append(self.producer.append_batch(raw)[1])
 
         self.rt.run(go(), timeout=300)
 
@@ -214,35 +265,75 @@ class _Stager:
         self.rt.run(go(), timeout=300)
 
 
-def write_task(opts: WriteOptions, cols: tuple[str, ...], iterator, query: str, batch: int,
+def _partitions_of(opts: WriteOptions) -> int:
+    if ":" in opts.stream:
+        return 1
+    rt = runtime()
+    try:
+        return rt.run(rt.client(opts.metadata).describe_topic(opts.stream), timeout=60).partitions
+    except NoSuchTopic:
+        raise ScrollWriteError(f"scroll sink: no stream named {opts.stream!r}") from None
+
+
+def write_task(opts: WriteOptions, cols: tuple[str, ...], batches, query: str, batch: int,
                tagged: bool) -> StagedOutput:
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
     partition = ctx.partitionId() if ctx else 0
     attempt = ctx.attemptNumber() if ctx else 0
+    nparts = _partitions_of(opts)
+    keyless = partition % nparts
     extra = [(BATCH_HEADER, f"{query}:{batch}".encode())] if tagged else []
-    out = StagedOutput(query, batch, partition, attempt, 0)
-    buf: list[bytes] = []
+    out = StagedOutput(query, batch, partition, attempt, partitions=nparts)
+    built: list[tuple[int, bytes]] = []  # sealed batches not yet handed to the stager
     nbytes = 0
     stager: _Stager | None = None
-    for row in iterator:
-        raw = encode_row(row, cols, extra)
-        out.count += 1
-        buf.append(raw)
+    open_: dict[int, BatchBuilder] = {}
+    now_ms = int(time.time() * 1000)
+
+    def seal(p: int) -> None:
+        nonlocal nbytes, stager
+        b = open_.pop(p)
+        raw = bytes(b.build(0))
+        if len(raw) + 1 > _MAX_ENTRY_BYTES:
+            raise ScrollWriteError(f"a row of {len(raw)} bytes (as a record batch) is over the "
+                                   f"{_MAX_ENTRY_BYTES}-byte entry limit")
+        built.append((p, raw))
         nbytes += len(raw)
         if stager is None and nbytes > opts.inline_bytes:
             stager = _Stager(opts, staging_name(query, batch, partition, attempt))
             out.staging = stager.name
-        if stager is not None and len(buf) >= 1000:
-            stager.add(buf)
-            buf = []
+        if stager is not None and len(built) >= 8:
+            flush_to_stager()
+
+    def flush_to_stager() -> None:
+        stager.add([raw for _, raw in built])
+        out.staged.extend(p for p, _ in built)
+        built.clear()
+
+    for rb in batches:
+        for value, key, headers, ts in arrow_rows(rb, cols):
+            p = partition_for(key, nparts) if key is not None and nparts > 1 else keyless
+            b = open_.get(p)
+            if b is None:
+                b = open_[p] = BatchBuilder(0, opts.batch_bytes)
+            hs = headers + extra if extra else headers
+            if not b.append(value, key, hs, ts if ts is not None else now_ms):
+                seal(p)
+                b = open_[p] = BatchBuilder(0, opts.batch_bytes)
+                b.append(value, key, hs, ts if ts is not None else now_ms)
+            out.count += 1
+            if b.size() >= opts.batch_bytes:
+                seal(p)
+    for p in sorted(open_):
+        seal(p)
     if stager is not None:
-        if buf:
-            stager.add(buf)
+        if built:
+            flush_to_stager()
         stager.finish()
     else:
-        out.inline = buf
+        out.inline = list(built)
     return out
 
 
@@ -260,20 +351,21 @@ async def _update_extra(client, stream: str, change) -> dict:
     raise ScrollWriteError(f"could not update the commit record of stream {stream!r}: its metadata keeps changing")
 
 
-async def _staged_payloads(client, msgs: list[StagedOutput]):
-    """Every staged record, message by message, as record payloads (envelope removed)."""
+async def _staged_batches(client, msgs: list[StagedOutput]):
+    """Every staged record batch, message by message, as (target partition, batch bytes, count)."""
     for m in msgs:
-        for raw in m.inline:
-            yield raw
+        for p, raw in m.inline:
+            yield p, raw, _batch_count(raw)
         if m.staging is None:
             continue
         c = await client.consumer(m.staging, start=0)
-        pos, got = 0, 0
+        entry, got, records = c.entry, 0, 0
         loop = asyncio.get_running_loop()
         stalled_since, recovered = None, False
-        while got < m.count:
-            end = await c.end_position()
-            if pos >= end:
+        while got < len(m.staged):
+            if entry > c.lac:
+                await c.end_position()  # learns the LAC
+            if entry > c.lac:
                 # The LAC the bookies know can stop short of the staging producer's last acknowledged
                 # entries (a producer that closes during a rollover may not push its LAC). A
                 # take-over recovers the tail and publishes it; do that once, after a short wait.
@@ -283,33 +375,39 @@ async def _staged_payloads(client, msgs: list[StagedOutput]):
                     continue
                 if recovered:
                     break
-                log.info("staging stream %r: %s of %s records readable; recovering its tail", m.staging, got, m.count)
+                log.info("staging stream %r: %s of %s batches readable; recovering its tail", m.staging, got,
+                         len(m.staged))
                 p = await client.producer(m.staging)
                 await p.close()
-                c = await client.consumer(m.staging, start=pos)
+                c = await client.consumer(m.staging, start=0)
                 recovered, stalled_since = True, None
                 continue
             stalled_since = None
-            entries = await c.read_raw(pos, end - 1)
+            entries = await c.read_raw(entry, c.lac)
             for e in entries:
-                if not entry_codec.is_noop(e.data):
-                    got += 1
-                    yield entry_codec.payload_of(e.data)
-            pos = entries[-1].entry_id + 1
-        if got != m.count:
-            raise ScrollWriteError(f"staging stream {m.staging!r} holds {got} readable records, the task wrote "
-                                   f"{m.count}")
+                b = stored_batch(e.entry_id, e.data)
+                if b is None:
+                    continue
+                if got >= len(m.staged):
+                    raise ScrollWriteError(f"staging stream {m.staging!r} holds more batches than the task wrote")
+                yield m.staged[got], bytes(b.batch), b.offset_count
+                got += 1
+                records += b.offset_count
+            entry = entries[-1].entry_id + 1
+        if got != len(m.staged) or records + sum(_batch_count(r) for _, r in m.inline) != m.count:
+            raise ScrollWriteError(f"staging stream {m.staging!r} holds {got} readable batches ({records} records), "
+                                   f"the task wrote {len(m.staged)} ({m.count} records in all)")
 
 
 async def _publish_tail(client, stream: str, end: int, wait_s: float = 2.0) -> None:
-    """Make sure readers can see up to ``end`` (exclusive) after our producer closed: if the LAC the
-    bookies know stays short of it (see docs/spark.md, limitations), a take-over publishes it."""
-    c = await client.consumer(stream, start=0)
+    """Make sure readers can see up to offset ``end`` (exclusive) after our producer closed: if the
+    LAC the bookies know stays short of it (see docs/spark.md, limitations), a take-over publishes it."""
+    c = await client.consumer(stream, start="latest")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while await c.end_position() < end:
         if loop.time() > deadline:
-            log.info("stream %r: LAC short of %s after close; taking over to publish the tail", stream, end)
+            log.info("stream %r: LAC short of offset %s after close; taking over to publish the tail", stream, end)
             p = await client.producer(stream)
             await p.close()
             return
@@ -318,7 +416,7 @@ async def _publish_tail(client, stream: str, end: int, wait_s: float = 2.0) -> N
 
 def _failpoint(spec: str | None, where: str, batch: int, copied: int = 0) -> None:
     """``testFailpoint`` = ``<where>:<batch>[:<n>]`` (test only): fail the commit of that batch at
-    ``mid-copy`` (after n records are durably appended), ``after-copy`` or ``after-commit``."""
+    ``mid-copy`` (once at least n records are durably appended), ``after-copy`` or ``after-commit``."""
     if not spec:
         return
     parts = spec.split(":")
@@ -329,79 +427,139 @@ def _failpoint(spec: str | None, where: str, batch: int, copied: int = 0) -> Non
     raise FailpointHit(f"scroll test failpoint {spec!r} hit")
 
 
+async def _end_offsets(client, streams: list[str]) -> dict[str, int]:
+    async def one(s):
+        return s, (await client.consumer(s, start="latest")).position
+
+    return dict(await asyncio.gather(*(one(s) for s in streams)))
+
+
+async def _present(client, producers: dict[str, object], start: dict[str, int], tag: bytes) -> Counter:
+    """Content keys of the records tagged ``tag`` in each stream from ``start[stream]`` up to what
+    its (just opened) producer found: what an earlier attempt of the batch appended."""
+    present: Counter = Counter()
+    for s, frm in start.items():
+        prod = producers.get(s)
+        if prod is None or frm >= prod.next_offset:
+            continue
+        try:
+            c = await client.consumer(s, start=frm)
+        except DataRemovedError as exc:  # retention took the front: what it removed is not ours to redo
+            c = await client.consumer(s, start=exc.earliest)
+        entry, last = c.entry, prod.lac
+        while entry <= last:
+            for e in await c.read_raw(entry, last):
+                entry = e.entry_id + 1
+                b = stored_batch(e.entry_id, e.data)
+                if b is None or b.end_offset <= frm:
+                    continue
+                for r in records_of(b, s, frm):
+                    if _has_tag(r.headers, tag):
+                        present[content_key(r.key, r.value, r.headers)] += 1
+    return present
+
+
+def _missing(raw: bytes, present: Counter) -> list | None:
+    """The records of batch ``raw`` that ``present`` does not account for (consuming what it does),
+    as append_many tuples; None when none of them is present (the batch goes as it is)."""
+    from streams.batches import StoredBatch
+
+    recs = records_of(StoredBatch(0, b"\x00" + raw))
+    keys = [content_key(r.key, r.value, r.headers) for r in recs]
+    if not any(present[k] > 0 for k in keys):
+        return None
+    out = []
+    for r, k in zip(recs, keys):
+        if present[k] > 0:
+            present[k] -= 1
+        else:
+            out.append((r.value, r.key, list(r.headers), r.timestamp_ms))
+    return out
+
+
 async def commit_batch(opts: WriteOptions, msgs: list[StagedOutput], query: str, batch: int, exactly_once: bool):
-    """Copy the staged records of one batch into the target (see the module docstring)."""
+    """Copy the staged record batches of one batch into the target (see the module docstring)."""
     client = runtime().client(opts.metadata)
-    stream = opts.stream
+    streams = await target_streams(client, opts.stream)
+    home = streams[0]  # the stream whose metadata holds the commit record
     total = sum(m.count for m in msgs)
-    resume_from = None
+    resume_from: dict[str, int] | None = None
     if exactly_once:
-        meta, _ = await client.cluster.ledgers.get_ledger(stream)
+        meta, _ = await client.cluster.ledgers.get_ledger(home)
         rec = meta.extra.get(EXTRA_KEY, {}).get(query, {})
         if rec.get("batch", -1) >= batch:
-            log.info("stream %r: batch %s of query %s is already committed; skipping", stream, batch, query)
+            log.info("stream %r: batch %s of query %s is already committed; skipping", home, batch, query)
             return "skipped"
         if rec.get("pending") == batch:
-            resume_from = int(rec["from"])
+            resume_from = dict(rec["from"])
+            new = [s for s in streams if s not in resume_from]
+            if new:  # partitions added since the intent: nothing of this batch is there yet
+                ends = await _end_offsets(client, new)
+
+                def widen(extra):
+                    extra[EXTRA_KEY][query]["from"].update(ends)
+
+                await _update_extra(client, home, widen)
+                resume_from.update(ends)
         elif total == 0:
             return "empty"
         else:
-            c = await client.consumer(stream, start=0)
-            start = await c.end_position()
+            start = await _end_offsets(client, streams)
 
             def intent(extra):
                 e = extra.setdefault(EXTRA_KEY, {}).setdefault(query, {})
                 e.update({"pending": batch, "from": start})
 
-            await _update_extra(client, stream, intent)
+            await _update_extra(client, home, intent)
     elif total == 0:
         return "empty"
 
-    producer = await client.producer(stream)
+    opened = await client.producer(opts.stream)
+    prods = list(getattr(opened, "producers", [opened]))
+    by_stream = dict(zip(streams, prods))
     try:
         present: Counter = Counter()
         if resume_from is not None:
-            tag = f"{query}:{batch}".encode()
-            c = await client.consumer(stream, start=resume_from)
-            pos, last = resume_from, producer.lac
-            while pos <= last:
-                entries = await c.read_raw(pos, last)
-                for e in entries:
-                    if not entry_codec.is_noop(e.data):
-                        p = entry_codec.payload_of(e.data)
-                        if _has_tag(p, tag):
-                            present[content_key(p)] += 1
-                pos = entries[-1].entry_id + 1
+            present = await _present(client, by_stream, resume_from, f"{query}:{batch}".encode())
             log.info("stream %r: completing batch %s of query %s: %s of %s records already there",
-                     stream, batch, query, sum(present.values()), total)
+                     opts.stream, batch, query, sum(present.values()), total)
         futs = []
         copied = 0
-        async for payload in _staged_payloads(client, msgs):
-            if present:
-                k = content_key(payload)
-                if present[k] > 0:
-                    present[k] -= 1
-                    continue
-            futs.append(await producer.append_raw(payload))
-            copied += 1
-            if len(futs) >= 20_000:  # bound what is held; the producer keeps its own window anyway
-                await asyncio.gather(*futs)
-                futs = []
+        async for p, raw, count in _staged_batches(client, msgs):
+            if p >= len(prods):
+                raise ScrollWriteError(f"target {opts.stream!r} has {len(prods)} partitions; a task wrote to "
+                                       f"partition {p}")
+            prod = prods[p]
+            todo = _missing(raw, present) if present else None
+            if todo is None:
+                await prod.wait_for_space()
+                futs.append(prod.append_batch(raw)[1])
+            elif todo:
+                futs.append(asyncio.ensure_future(prod.append_many(todo)))
+                count = len(todo)
+            else:
+                continue
+            copied += count
             if opts.test_fail and opts.test_fail.startswith("mid-copy"):
                 await asyncio.gather(*futs)
                 _failpoint(opts.test_fail, "mid-copy", batch, copied)
+            if len(futs) >= 1000:
+                await asyncio.gather(*futs)
+                futs = []
         await asyncio.gather(*futs)
-        await producer.flush()
-        end = producer.lac + 1
+        for prod in prods:
+            await prod.flush()
+        end = {s: prod.next_offset for s, prod in by_stream.items()}
     finally:
-        await producer.close()
-    await _publish_tail(client, stream, end)
+        await opened.close()
+    for s, e in end.items():
+        await _publish_tail(client, s, e)
     _failpoint(opts.test_fail, "after-copy", batch)
     if exactly_once:
         def done(extra):
             extra.setdefault(EXTRA_KEY, {})[query] = {"batch": batch, "end": end}
 
-        await _update_extra(client, stream, done)
+        await _update_extra(client, home, done)
         _failpoint(opts.test_fail, "after-commit", batch)
     return "committed"
 
@@ -459,22 +617,25 @@ def ensure_target(opts: WriteOptions) -> None:
 
     async def go():
         try:
-            await client.describe_stream(opts.stream)
-        except NoSuchStream:
+            await target_streams(client, opts.stream)
+        except (NoSuchStream, NoSuchTopic):
             if not opts.create:
                 raise ScrollOptionError(f"scroll sink: no stream named {opts.stream!r}; create it first "
                                         "(scroll stream create) or set the option createStream=true") from None
+            if ":" in opts.stream:
+                raise ScrollOptionError(f"scroll sink: no stream named {opts.stream!r}; createStream creates "
+                                        "whole topics, not single partitions") from None
             try:
-                await client.create_stream(opts.stream, ensemble=opts.ensemble, write_quorum=opts.write_quorum,
-                                           ack_quorum=opts.ack_quorum)
-            except StreamExists:
+                await client.create_topic(opts.stream, opts.partitions, ensemble=opts.ensemble,
+                                          write_quorum=opts.write_quorum, ack_quorum=opts.ack_quorum)
+            except (StreamExists, TopicExists):
                 pass
 
     rt.run(go(), timeout=120)
 
 
 # ---------------------------------------------------------------------------------------- writers
-class ScrollStreamWriter(DataSourceStreamWriter):
+class ScrollStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, opts: WriteOptions, cols: tuple[str, ...]):
         self.opts = opts
         self.cols = cols
@@ -497,7 +658,7 @@ class ScrollStreamWriter(DataSourceStreamWriter):
         _abort(self.opts, messages, batchId)
 
 
-class ScrollBatchWriter(DataSourceWriter):
+class ScrollBatchWriter(DataSourceArrowWriter):
     def __init__(self, opts: WriteOptions, cols: tuple[str, ...]):
         self.opts = opts
         self.cols = cols

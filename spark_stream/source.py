@@ -1,33 +1,39 @@
 """The reading side of the ``scroll`` data source: batch and streaming readers, partition planning,
-and the executor-side read of one position range.
+and the executor-side read of one offset range.
 
-Offsets. A stream position is an entry id: dense, assigned by the writer, never reused. Spark's
-offset for this source is a JSON object ``{stream: next position}`` (the first position not yet
-read), so a micro-batch is, per stream, the half-open range ``[start, end)`` of positions. Entries
-that are no-ops (written at the end of every writer take-over) keep their position but are never
-returned, so a range of N positions holds at most N records; ``maxRecordsPerTrigger`` therefore
-counts positions. "Latest" is ``Consumer.end_position()`` = LAC + 1: nothing above the LAC is
-ever planned or read, so every planned range is immutable and a replayed batch reads the same rows.
+Offsets. Every stream holds Kafka record batches with dense **record offsets** from 0 (see
+``streams/batches.py``); a topic of N partitions is N streams (``orders``, ``orders:1``, ...). Spark's
+offset for this source is a JSON object ``{stream: next offset}`` (the first record not yet read),
+so a micro-batch is, per stream, the half-open range ``[start, end)`` of record offsets, and holds
+exactly ``end - start`` records: take-over no-ops take no offsets. "Latest" is
+``Consumer.end_position()``, one past the last record at or below the LAC: nothing above the LAC
+is ever planned or read, so every planned range is immutable and a replayed batch reads the same
+rows.
 
 Planning runs on the driver, in the Python planner process Spark keeps for the query (the stream
-reader object lives as long as the query, so it keeps its client). Each range becomes one
-``ScrollPartition`` — a small picklable object (stream, metadata URL, first, last) — or, with
-``minPartitions``, several: a range is cut first at fragment boundaries (consecutive fragments
-live on different ensembles, so the tasks read from different bookies) and then evenly.
+reader object lives as long as the query, so it keeps its client). The streams are the named ones,
+every partition stream of the named topics (looked up at every trigger, so partitions added later
+are read from their beginning, as Kafka's source does), or those matching a pattern. Each range
+becomes one ``ScrollPartition`` — a small picklable object (stream, metadata URL, from, until) —
+or, with ``minPartitions``, several: a range is cut first at fragment boundaries (consecutive
+fragments live on different ensembles, so the tasks read from different bookies; fragment records
+carry their first offsets) and then evenly.
 
-Reading runs on executors: ``read_partition`` opens a consumer on the stream and reads raw entries
-``first..last`` in chunks (one replica read each), skipping no-ops and decoding records, and
-yields one tuple per record in schema order.
+Reading runs on executors: ``read_partition`` opens a consumer on the stream, ``seek``s to the
+range's first offset and reads raw entries (one replica read each, up to 1000 entries / 4 MiB),
+parses the record batches in them (aiokafka's C parser, CRC checked) and yields one Arrow record
+batch per replica read, cut to ``[from, until)``.
 
 Data loss. Retention removes whole fragments from the front of a stream. A planned start below
-the stream's earliest position fails the query (``failOnDataLoss=true``, the default) with an
-error naming the stream, the position asked for and the new earliest; with ``false`` the reader
-logs a warning and skips ahead. The same check runs on the executors, since retention can act
-between planning and reading.
+the stream's earliest offset fails the query (``failOnDataLoss=true``, the default) with an error
+naming the stream, the offset asked for and the new earliest; with ``false`` the reader logs a
+warning and skips ahead. The same check runs on the executors, since retention can act between
+planning and reading.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -38,6 +44,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, Supp
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
+    IntegerType,
     LongType,
     StringType,
     StructField,
@@ -45,10 +52,10 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from streams import records
-from streams.consumer import EARLIEST as C_EARLIEST
-from streams.errors import DataRemovedError, NoSuchStream
-from terms import entry as entry_codec
+from streams.batches import RecordFormatError, stored_batch
+from streams.consumer import LATEST as C_LATEST
+from streams.errors import DataRemovedError, NoSuchStream, NoSuchTopic
+from streams.topics import stream_partition
 
 from .options import EARLIEST, JSON_EARLIEST, JSON_LATEST, LATEST, STAGING_PREFIX, ReadOptions
 from .runtime import runtime
@@ -59,12 +66,12 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class ScrollDataLossError(RuntimeError):
-    """Positions a query needs were removed by retention (and ``failOnDataLoss`` is true)."""
+    """Records a query needs were removed by retention (and ``failOnDataLoss`` is true)."""
 
 
-def data_loss_message(stream: str, position: int, earliest: int) -> str:
-    return (f"scroll: data loss in stream {stream!r}: position {position} was removed by retention; the earliest "
-            f"position now is {earliest} ({earliest - position} positions lost). Set the option "
+def data_loss_message(stream: str, offset: int, earliest: int) -> str:
+    return (f"scroll: data loss in stream {stream!r}: offset {offset} was removed by retention; the earliest "
+            f"offset now is {earliest} ({earliest - offset} records lost). Set the option "
             f"failOnDataLoss=false to skip ahead instead of failing.")
 
 
@@ -73,6 +80,8 @@ def schema_for(include_headers: bool) -> StructType:
         StructField("key", BinaryType(), True),
         StructField("value", BinaryType(), True),
         StructField("stream", StringType(), False),
+        StructField("topic", StringType(), False),
+        StructField("partition", IntegerType(), False),
         StructField("offset", LongType(), False),
         StructField("timestamp", TimestampType(), True),
     ]
@@ -86,7 +95,7 @@ def schema_for(include_headers: bool) -> StructType:
 
 # ---------------------------------------------------------------------------------------- partitions
 class ScrollPartition(InputPartition):
-    """Positions ``first..last`` (inclusive) of one stream: what one Spark task reads."""
+    """Record offsets ``first..last`` (inclusive) of one stream: what one Spark task reads."""
 
     def __init__(self, stream: str, metadata: str, first: int, last: int, fail_on_data_loss: bool,
                  include_headers: bool):
@@ -142,7 +151,7 @@ def split_ranges(ranges: dict[str, tuple[int, int]], fragment_starts: dict[str, 
 
 
 def allocate(limit: int, backlog: dict[str, int]) -> dict[str, int]:
-    """Split ``limit`` positions across streams in proportion to their backlog (largest remainder),
+    """Split ``limit`` records across streams in proportion to their backlog (largest remainder),
     never giving a stream more than its backlog; the shares add up to min(limit, total backlog)."""
     total = sum(backlog.values())
     if total <= limit:
@@ -161,44 +170,62 @@ def allocate(limit: int, backlog: dict[str, int]) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------------------- planning (driver)
 class _Planner:
-    """Driver-side look-ups: which streams, and each one's earliest and end (LAC + 1) positions."""
+    """Driver-side look-ups: which streams, and each one's earliest and end record offsets."""
 
     def __init__(self, opts: ReadOptions):
         self.opts = opts
         self.rt = runtime()
         self.client = self.rt.client(opts.metadata)
-        self._pattern = re.compile(opts.pattern) if opts.pattern else None
+        pat = opts.pattern or opts.topic_pattern
+        self._pattern = re.compile(pat) if pat else None
 
     def streams(self) -> list[str]:
-        if self.opts.streams is not None:
-            return list(self.opts.streams)
+        o = self.opts
+        if o.streams is not None:
+            return list(o.streams)
+        if o.topics is not None:
+            async def streams_of(t: str) -> list[str]:
+                try:
+                    return (await self.client.describe_topic(t)).streams()
+                except NoSuchTopic:
+                    raise NoSuchTopic(f"scroll: no topic named {t!r} (option 'topics')") from None
+
+            async def all_():
+                return await asyncio.gather(*(streams_of(t) for t in o.topics))
+
+            return [s for names in self.rt.run(all_(), timeout=60) for s in names]
+        if o.topic_pattern is not None:
+            topics = self.rt.run(self.client.list_topics(), timeout=60)
+            return [s for t in topics if not t.name.startswith(STAGING_PREFIX) and self._pattern.fullmatch(t.name)
+                    for s in t.streams()]
         metas = self.rt.run(self.client.list_streams(), timeout=60)
         return sorted(m.name for m in metas
                       if not m.name.startswith(STAGING_PREFIX) and self._pattern.fullmatch(m.name))
 
-    def bounds(self, names: list[str]) -> dict[str, tuple[int, int, list[int]]]:
-        """``{stream: (earliest, end, fragment first positions)}``; a stream named in ``streams`` that
-        does not exist is an error, one matched by a pattern that vanished is left out."""
+    def bounds(self, names: list[str], fragments: bool = False) -> dict[str, tuple[int, int, list[int]]]:
+        """``{stream: (earliest offset, end offset, fragment first offsets)}`` (the last only with
+        ``fragments``); a stream named in ``streams`` that does not exist is an error, one found by
+        a topic or pattern that vanished since is left out."""
 
         async def one(name: str):
             try:
-                c = await self.client.consumer(name, start=C_EARLIEST)
+                c = await self.client.consumer(name, start=C_LATEST)
             except NoSuchStream:
                 if self.opts.streams is not None:
                     raise NoSuchStream(f"scroll: no stream named {name!r} (option 'streams')") from None
                 return name, None
-            end = await c.end_position()
-            return name, (c.earliest(), max(end, c.earliest()), [f.first_entry_id for f in c.fragments])
+            end = c.position
+            earliest = await c.earliest_offset()
+            firsts = [await c.first_offset_of(f) for f in c.fragments] if fragments else []
+            return name, (earliest, max(end, earliest), firsts)
 
         async def all_():
-            import asyncio
-
             return await asyncio.gather(*(one(n) for n in names))
 
         return {n: b for n, b in self.rt.run(all_(), timeout=120) if b is not None}
 
     def resolve(self, spec, bounds, default_missing: str) -> dict[str, int]:
-        """Positions for ``earliest``/``latest``/JSON ``spec`` (JSON -2/-1; a stream the JSON leaves
+        """Offsets for ``earliest``/``latest``/JSON ``spec`` (JSON -2/-1; a stream the JSON leaves
         out gets ``default_missing``)."""
         out = {}
         for s, (earliest, end, _) in bounds.items():
@@ -212,15 +239,15 @@ class _Planner:
                 out[s] = int(v)
         return out
 
-    def check_loss(self, stream: str, position: int, earliest: int) -> int:
-        """The position to read from: ``position``, or ``earliest`` when retention removed it and
+    def check_loss(self, stream: str, offset: int, earliest: int) -> int:
+        """The offset to read from: ``offset``, or ``earliest`` when retention removed it and
         failOnDataLoss is false (raises when it is true)."""
-        if position >= earliest:
-            return position
+        if offset >= earliest:
+            return offset
         if self.opts.fail_on_data_loss:
-            raise ScrollDataLossError(data_loss_message(stream, position, earliest))
-        log.warning("stream %r: positions %s..%s were removed by retention; skipping to %s (failOnDataLoss=false)",
-                    stream, position, earliest - 1, earliest)
+            raise ScrollDataLossError(data_loss_message(stream, offset, earliest))
+        log.warning("stream %r: offsets %s..%s were removed by retention; skipping to %s (failOnDataLoss=false)",
+                    stream, offset, earliest - 1, earliest)
         return earliest
 
     def partitions(self, ranges: dict[str, tuple[int, int]], frags: dict[str, list[int]]) -> list[ScrollPartition]:
@@ -236,7 +263,7 @@ class ScrollBatchReader(DataSourceReader):
 
     def partitions(self):
         p = _Planner(self.opts)
-        bounds = p.bounds(p.streams())
+        bounds = p.bounds(p.streams(), fragments=bool(self.opts.min_partitions))
         start = p.resolve(self.opts.starting, bounds, EARLIEST)
         end = p.resolve(self.opts.ending, bounds, LATEST)
         ranges = {}
@@ -292,7 +319,7 @@ class ScrollStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for s, (earliest, end, _) in bounds.items():
             if self._target is not None:
                 end = min(end, self._target[s])
-            first = int(start.get(s, 0))  # a stream found after the query started is read from its beginning
+            first = int(start.get(s, 0))  # a stream (or partition) found after the query started: from its beginning
             if first < end:
                 first = p.check_loss(s, first, earliest)
             firsts[s] = first
@@ -317,7 +344,7 @@ class ScrollStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return []
         frags: dict[str, list[int]] = {}
         if self.opts.min_partitions and self.opts.min_partitions > len(ranges):
-            frags = {s: b[2] for s, b in self.planner.bounds(list(ranges)).items()}
+            frags = {s: b[2] for s, b in self.planner.bounds(list(ranges), fragments=True).items()}
         return self.planner.partitions(ranges, frags)
 
     def read(self, partition):
@@ -331,57 +358,146 @@ class ScrollStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
 
 # ---------------------------------------------------------------------------------------- executors
-def _row(r: records.Record, stream: str, include_headers: bool) -> tuple:
-    ts = _EPOCH + timedelta(milliseconds=r.timestamp_ms)
-    if include_headers:
-        return (r.key, r.value, stream, r.position, ts, [(k, v) for k, v in r.headers])
-    return (r.key, r.value, stream, r.position, ts)
+_READ_TIMEOUT_S = 120.0
 
 
-def _arrow_batch(pa, schema, rows: list[records.Record], stream: str, include_headers: bool):
-    n = len(rows)
-    cols = [
-        pa.array([r.key for r in rows], pa.binary()),
-        pa.array([r.value for r in rows], pa.binary()),
+def _records(entries, stream: str, first: int, until: int):
+    """Columns of the records with offsets in ``[first, until)`` of raw entries (no-ops skipped):
+    (keys, values, offsets, timestamps in ms, headers, done) where ``done`` says a batch at or
+    past ``until`` was met."""
+    from aiokafka.record.default_records import DefaultRecordBatch
+
+    keys, values, offsets, stamps, headers = [], [], [], [], []
+    done = False
+    for e in entries:
+        b = stored_batch(e.entry_id, e.data)
+        if b is None:
+            continue
+        base = b.base_offset
+        if base >= until:
+            done = True
+            break
+        if b.end_offset <= first:
+            continue
+        try:
+            rb = DefaultRecordBatch(b.batch)
+            if rb.is_control_batch:
+                continue
+            if not rb.validate_crc():
+                raise RecordFormatError(f"stream {stream!r} entry {e.entry_id}: record batch CRC mismatch")
+            whole = base >= first and b.end_offset <= until
+            for r in rb:
+                o = r.offset
+                if not whole and (o < first or o >= until):
+                    continue
+                keys.append(r.key)
+                values.append(r.value)
+                offsets.append(o)
+                stamps.append(r.timestamp)
+                headers.append(r.headers)
+        except RecordFormatError:
+            raise
+        except Exception as exc:  # the C parser raises CorruptRecordException / ValueError / struct.error
+            raise RecordFormatError(f"stream {stream!r} entry {e.entry_id}: malformed record batch: {exc!r}") from exc
+        if b.end_offset >= until:
+            done = True
+            break
+    return keys, values, offsets, stamps, headers, done
+
+
+def _arrow_batch(pa, schema, stream: str, cols, include_headers: bool):
+    keys, values, offsets, stamps, headers = cols
+    n = len(offsets)
+    topic, partition = stream_partition(stream)
+    arrays = [
+        pa.array(keys, pa.binary()),
+        pa.array(values, pa.binary()),
         pa.array([stream] * n, pa.string()),
-        pa.array([r.position for r in rows], pa.int64()),
-        pa.array([r.timestamp_ms * 1000 for r in rows], pa.int64()).cast(schema.field(4).type),
+        pa.array([topic] * n, pa.string()),
+        pa.array([partition] * n, pa.int32()),
+        pa.array(offsets, pa.int64()),
+        pa.array([t * 1000 for t in stamps], pa.int64()).cast(schema.field(6).type),
     ]
     if include_headers:
-        cols.append(pa.array([[{"key": k, "value": v} for k, v in r.headers] for r in rows], schema.field(5).type))
-    return pa.RecordBatch.from_arrays(cols, schema=schema)
+        arrays.append(pa.array([[{"key": k, "value": v} for k, v in h] for h in headers], schema.field(7).type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _row(stream: str, cols, i: int, include_headers: bool) -> tuple:
+    keys, values, offsets, stamps, headers = cols
+    topic, partition = stream_partition(stream)
+    row = (keys[i], values[i], stream, topic, partition, offsets[i], _EPOCH + timedelta(milliseconds=stamps[i]))
+    return row + ([(k, v) for k, v in headers[i]],) if include_headers else row
+
+
+async def _open_at(client, p: ScrollPartition, offset: int):
+    """A consumer of ``p.stream`` positioned at ``offset`` (or at the earliest offset, when retention
+    removed ``offset`` and failOnDataLoss is false)."""
+    while True:
+        try:
+            return await client.consumer(p.stream, start=offset)
+        except DataRemovedError as exc:
+            if p.fail_on_data_loss:
+                raise ScrollDataLossError(data_loss_message(p.stream, offset, exc.earliest)) from None
+            log.warning("stream %r: offsets %s..%s were removed by retention while reading; skipping ahead "
+                        "(failOnDataLoss=false)", p.stream, offset, exc.earliest - 1)
+            offset = exc.earliest
+
+
+async def _read_chunk(client, p: ScrollPartition, state: dict):
+    """The next replica read of the range: column lists of its records in ``[state.next, until)``."""
+    until = p.last + 1
+    c = state.get("consumer")
+    if c is None:
+        c = state["consumer"] = await _open_at(client, p, state["next"])
+        state["next"], state["entry"] = c.position, c.entry
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _READ_TIMEOUT_S
+    while state["entry"] > c.lac:
+        # the planner saw these records at or below the LAC; this bookie's answer may lag it
+        await c.end_position()
+        if state["entry"] > c.lac:
+            if loop.time() > deadline:
+                raise TimeoutError(f"stream {p.stream!r}: offsets {state['next']}..{p.last} were planned but the "
+                                   f"LAC is {c.lac} (entry {state['entry']} needed)")
+            await asyncio.sleep(0.05)
+    try:
+        entries = await c.read_raw(state["entry"], c.lac)
+    except DataRemovedError as exc:
+        if p.fail_on_data_loss:
+            raise ScrollDataLossError(data_loss_message(p.stream, state["next"], exc.earliest)) from None
+        log.warning("stream %r: offsets %s..%s were removed by retention while reading; skipping ahead "
+                    "(failOnDataLoss=false)", p.stream, state["next"], exc.earliest - 1)
+        state["consumer"] = None
+        state["next"] = exc.earliest
+        return None
+    *cols, done = _records(entries, p.stream, state["next"], until)
+    state["entry"] = entries[-1].entry_id + 1
+    if cols[2]:
+        state["next"] = cols[2][-1] + 1
+    if done:
+        state["next"] = until
+    return cols
 
 
 def read_partition(p: ScrollPartition, arrow: bool = True):
-    """Yield the records at positions ``p.first..p.last`` of ``p.stream`` (no-ops are skipped): as
-    pyarrow RecordBatches, one per replica read (faster: Spark takes them as they are), or with
-    ``arrow=False`` as tuples in schema order."""
+    """Yield the records at offsets ``p.first..p.last`` of ``p.stream``: as pyarrow RecordBatches,
+    one per replica read (faster: Spark takes them as they are), or with ``arrow=False`` as tuples
+    in schema order."""
     rt = runtime()
     client = rt.client(p.metadata)
-    consumer = rt.run(client.consumer(p.stream, start=p.first), timeout=60)
     if arrow:
         import pyarrow as pa
         from pyspark.sql.pandas.types import to_arrow_schema
 
         arrow_schema = to_arrow_schema(schema_for(p.include_headers), timezone="UTC")
-    pos = p.first
-    while pos <= p.last:
-        try:
-            entries = rt.run(consumer.read_raw(pos, p.last), timeout=120)
-        except DataRemovedError as exc:
-            if p.fail_on_data_loss:
-                raise ScrollDataLossError(data_loss_message(p.stream, pos, exc.earliest)) from None
-            log.warning("stream %r: positions %s..%s were removed by retention while reading; skipping ahead "
-                        "(failOnDataLoss=false)", p.stream, pos, exc.earliest - 1)
-            pos = exc.earliest
-            continue
-        recs = [r for e in entries if e.entry_id <= p.last and not entry_codec.is_noop(e.data)
-                for r in records.decode_entry(entry_codec.payload_of(e.data), e.entry_id, p.stream)]  # Kafka batch: many
-        pos = entries[-1].entry_id + 1
-        if not recs:
+    state = {"next": p.first, "consumer": None}
+    while state["next"] <= p.last:
+        cols = rt.run(_read_chunk(client, p, state), timeout=_READ_TIMEOUT_S + 60)
+        if not cols or not cols[2]:
             continue
         if arrow:
-            yield _arrow_batch(pa, arrow_schema, recs, p.stream, p.include_headers)
+            yield _arrow_batch(pa, arrow_schema, p.stream, cols, p.include_headers)
         else:
-            for r in recs:
-                yield _row(r, p.stream, p.include_headers)
+            for i in range(len(cols[2])):
+                yield _row(p.stream, cols, i, p.include_headers)

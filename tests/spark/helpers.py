@@ -9,9 +9,11 @@ from streams import client as aclient
 from streams.consumer import EARLIEST
 
 
-def produce(url: str, stream: str, recs, *, create: dict | None = None) -> list[int]:
+def produce(url: str, stream: str, recs, *, create: dict | None = None, per_entry: bool = False) -> list[int]:
     """Append ``recs`` (dicts with value and optional key, headers, timestamp_ms) in one producer
-    session; returns their positions. ``create``: create the stream first with these settings."""
+    session; returns their record offsets. ``create``: create the stream first with these settings.
+    ``per_entry``: one record per entry (each append waits for the previous one), so that entry
+    counts (fragment sizes) follow record counts; otherwise the producer batches them."""
 
     async def go():
         c = await aclient.connect(url)
@@ -19,11 +21,13 @@ def produce(url: str, stream: str, recs, *, create: dict | None = None) -> list[
             if create is not None:
                 await c.create_stream(stream, **create)
             p = await c.producer(stream)
-            futs = [await p.append_future(r["value"], r.get("key"), r.get("headers"), r.get("timestamp_ms"))
-                    for r in recs]
-            positions = list(await asyncio.gather(*futs))
-            await p.close()
-            return positions
+            try:
+                if per_entry:
+                    return [await p.append(r["value"], r.get("key"), r.get("headers"), r.get("timestamp_ms"))
+                            for r in recs]
+                return await p.append_many(recs)
+            finally:
+                await p.close()
         finally:
             await c.close()
 
@@ -62,7 +66,7 @@ def stream_names(url: str) -> list[str]:
 
 def remove_front_fragments(url: str, stream: str, n: int) -> int:
     """Remove the first ``n`` fragments of ``stream`` with the retention job (``streams.tools.retention.apply``:
-    mark, trim on the bookies, drop the records). Returns the new earliest position."""
+    mark, trim on the bookies, drop the records). Returns the new earliest record offset."""
     from streams.tools import retention
 
     async def go():
@@ -72,9 +76,12 @@ def remove_front_fragments(url: str, stream: str, n: int) -> int:
             frags = await c.cluster.ledgers.fragments(meta.ledger_id, meta.first_fragment_index,
                                                       meta.last_fragment_index)
             assert len(frags) > n and all(f.sealed for f in frags[:n]), [f.to_json() for f in frags]
-            report = await retention.apply(c, stream, keep_from=frags[n].first_entry_id, floors=[])
+            cons = await c.consumer(stream, start=EARLIEST)
+            keep_from = await cons.first_offset_of(frags[n])
+            report = await retention.apply(c, stream, keep_from=keep_from, floors=[])
             assert report.fragments == [f.index for f in frags[:n]], report
-            return report.new_earliest
+            cons = await c.consumer(stream, start=EARLIEST)
+            return cons.position
         finally:
             await c.close()
 

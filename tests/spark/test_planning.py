@@ -26,7 +26,7 @@ def test_split_ranges_prefers_fragment_boundaries_then_even_cuts():
     assert all(f % 10 == 0 for _, f, _ in pieces)  # every cut on a fragment boundary
     assert [(f, last) for _, f, last in split_ranges({"a": (0, 100)}, {}, 3)] == [(0, 32), (33, 65), (66, 99)]
     assert split_ranges({"a": (0, 100), "b": (7, 7)}, frags, None) == [("a", 0, 99)]  # empty ranges vanish
-    # every position exactly once, whatever the split
+    # every offset exactly once, whatever the split
     for k in range(1, 12):
         pieces = split_ranges({"a": (5, 95), "b": (0, 3)}, {"a": [0, 50, 60]}, k)
         covered = [(s, p) for s, f, last in pieces for p in range(f, last + 1)]
@@ -38,6 +38,10 @@ def test_split_ranges_prefers_fragment_boundaries_then_even_cuts():
     ({"streams": "a"}, "option 'metadata' is required"),
     ({"metadata": URL}, "exactly one of the options"),
     ({"metadata": URL, "streams": "a", "streamPattern": "b"}, "exactly one of the options"),
+    ({"metadata": URL, "topics": "a", "streams": "b"}, "exactly one of the options"),
+    ({"metadata": URL, "topicPattern": "["}, "'topicPattern' is not a valid regular expression"),
+    ({"metadata": URL, "topics": "a", "startingOffsets": '{"a": {"x": 1}}'}, "partition 'x' of topic 'a'"),
+    ({"metadata": URL, "topics": "a", "startingOffsets": '{"a": {"0": "1"}}'}, "must be an integer >= 0"),
     ({"metadata": URL, "streamPattern": "("}, "not a valid regular expression"),
     ({"metadata": URL, "streams": "a", "startingOffsets": "{bad"}, "startingOffsets"),
     ({"metadata": URL, "streams": "a", "startingOffsets": '{"a": -7}'}, "must be an integer >= 0"),
@@ -57,13 +61,20 @@ def test_read_option_defaults_and_kafka_style_json():
     assert b.starting == "earliest" and b.ending == {"a": 10}
     with pytest.raises(ScrollOptionError, match="not allowed in batch"):
         ReadOptions.parse({"metadata": URL, "streams": "a", "startingOffsets": '{"a": -1}'}, streaming=False)
+    k = ReadOptions.parse({"metadata": URL, "topics": "a,b", "startingOffsets": '{"a": {"0": 5, "2": -2}, "b:1": 7}'},
+                          streaming=True)
+    assert k.topics == ("a", "b") and k.streams is None
+    assert k.starting == {"a": 5, "a:2": -2, "b:1": 7}  # Kafka's topic/partition form, by partition stream
     with pytest.raises(ScrollOptionError, match="cannot be 'latest'"):
         ReadOptions.parse({"metadata": URL, "streams": "a", "startingOffsets": "latest"}, streaming=False)
 
 
 def test_bad_write_options():
-    with pytest.raises(ScrollOptionError, match="'stream' is required"):
+    with pytest.raises(ScrollOptionError, match="'stream' \\(or 'topic'\\) is required"):
         WriteOptions.parse({"metadata": URL})
+    assert WriteOptions.parse({"metadata": URL, "topic": "t"}).stream == "t"
+    with pytest.raises(ScrollOptionError, match="batchBytes"):
+        WriteOptions.parse({"metadata": URL, "stream": "t", "batchBytes": str(2 << 20)})
     with pytest.raises(ScrollOptionError, match="reserved for staging"):
         WriteOptions.parse({"metadata": URL, "stream": "_spark.x"})
     with pytest.raises(ScrollOptionError, match="ensemble >= writeQuorum"):

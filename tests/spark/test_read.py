@@ -38,27 +38,49 @@ def test_batch_read_equals_what_was_produced(spark, spark_cluster, stream_name):
     first = _recs(30)
     pos1 = produce(url, stream_name, first, create={"ensemble": 3, "write_quorum": 2, "ack_quorum": 2})
     second = _recs(20, start=30)
-    pos2 = produce(url, stream_name, second)  # a second producer: a take-over and a no-op position between
-    assert pos2[0] > pos1[-1] + 1, "the take-over left no no-op position: the test would not cover skipping them"
+    pos2 = produce(url, stream_name, second, per_entry=True)  # a second producer: a take-over (a no-op entry)
+    assert pos1 + pos2 == list(range(50)), "record offsets are dense from 0; the take-over's no-op takes none"
     df = _reader(spark, url, streams=stream_name, includeHeaders="true")
     rows = sorted(df.collect(), key=lambda r: r.offset)
     expected = first + second
     assert [r.offset for r in rows] == pos1 + pos2
     for r, e in zip(rows, expected):
-        assert (r.key, r.value, r.stream) == (e["key"], e["value"], stream_name)
+        assert (r.key, r.value, r.stream, r.topic, r.partition) == (e["key"], e["value"], stream_name, stream_name, 0)
         assert [(h.key, h.value) for h in r.headers] == list(e["headers"])
         assert r.timestamp.replace(tzinfo=UTC) == datetime.fromtimestamp(e["timestamp_ms"] / 1000, UTC)
-    # endingOffsets / startingOffsets as JSON: a half-open range of positions
-    part = _reader(spark, url, streams=stream_name, startingOffsets=json.dumps({stream_name: pos1[5]}),
-                   endingOffsets=json.dumps({stream_name: pos2[3]}))
-    assert sorted(r.offset for r in part.collect()) == pos1[5:] + pos2[:3]
+    # endingOffsets / startingOffsets as JSON: a half-open range of record offsets (one inside a batch)
+    part = _reader(spark, url, streams=stream_name, startingOffsets=json.dumps({stream_name: 5}),
+                   endingOffsets=json.dumps({stream_name: 33}))
+    assert sorted(r.offset for r in part.collect()) == list(range(5, 33))
     assert "headers" not in part.columns
+    # Kafka's form, by topic and partition
+    part = _reader(spark, url, topics=stream_name, startingOffsets=json.dumps({stream_name: {"0": 12}}),
+                   endingOffsets=json.dumps({stream_name: {"0": 14}}))
+    assert sorted(r.offset for r in part.collect()) == [12, 13]
 
+
+def test_topic_with_partitions_reads_every_partition(spark, spark_cluster, sclient, stream_name):
+    url = spark_cluster.metadata_url
+    sclient.create_topic(stream_name, 3)
+    with sclient.producer(stream_name) as p:  # keyed records go to partitions by murmur2, as in Kafka
+        placed = p.append_many([{"value": f"v{i}".encode(), "key": f"k{i}".encode()} for i in range(60)])
+    want = sorted((part, off, f"v{i}".encode()) for i, (part, off) in enumerate(placed))
+    assert {part for part, _, _ in want} == {0, 1, 2}
+    rows = _reader(spark, url, topics=stream_name).collect()
+    assert sorted((r.partition, r.offset, r.value) for r in rows) == want
+    assert {(r.topic, r.partition, r.stream) for r in rows} == {
+        (stream_name, 0, stream_name), (stream_name, 1, f"{stream_name}:1"), (stream_name, 2, f"{stream_name}:2")}
+    # one partition by its stream name; offsets by topic and partition; a pattern over topic names
+    one = _reader(spark, url, streams=f"{stream_name}:2").collect()
+    assert sorted((r.partition, r.offset, r.value) for r in one) == [w for w in want if w[0] == 2]
+    tail = _reader(spark, url, topicPattern=stream_name.replace("-", ".") + "$",
+                   startingOffsets=json.dumps({stream_name: {"1": 3}})).collect()
+    assert sorted((r.partition, r.offset, r.value) for r in tail) == [w for w in want if w[0] != 1 or w[1] >= 3]
 
 def test_min_partitions_splits_the_read(spark, spark_cluster, stream_name):
     url = spark_cluster.metadata_url
     recs = [{"value": f"m{i}".encode()} for i in range(200)]
-    positions = produce(url, stream_name, recs, create={"fragment_entries_max": 50})
+    positions = produce(url, stream_name, recs, create={"fragment_entries_max": 50}, per_entry=True)
     df = _reader(spark, url, streams=stream_name, minPartitions="4")
     assert df.rdd.getNumPartitions() >= 4
     assert sorted(r.offset for r in df.collect()) == positions
@@ -67,10 +89,12 @@ def test_min_partitions_splits_the_read(spark, spark_cluster, stream_name):
 
 def test_bad_options_fail_clearly(spark, spark_cluster, stream_name):
     url = spark_cluster.metadata_url
-    with pytest.raises(Exception, match="exactly one of the options 'streams'"):
+    with pytest.raises(Exception, match="exactly one of the options 'topics', 'topicPattern', 'streams'"):
         _reader(spark, url, streams="a", streamPattern="a.*").collect()
     with pytest.raises(Exception, match="no stream named"):
         _reader(spark, url, streams=stream_name + "-missing").collect()
+    with pytest.raises(Exception, match="no topic named"):
+        _reader(spark, url, topics=stream_name + "-missing").collect()
     with pytest.raises(Exception, match="maxRecordsPerTrigger"):
         (spark.readStream.format("scroll").option("metadata", url).option("streams", "x")
          .option("maxRecordsPerTrigger", "many").load().writeStream.format("console").start().awaitTermination(30))
@@ -78,7 +102,7 @@ def test_bad_options_fail_clearly(spark, spark_cluster, stream_name):
 
 def _collect_batches(spark, url, streams, checkpoint, **opts):
     """Run a Trigger.AvailableNow query to the end. Returns the non-empty batches as
-    [(batch id, positions planned for the batch, [(stream, offset, value)])]."""
+    [(batch id, records planned for the batch, [(stream, offset, value)])]."""
     got = {}
     reader = (spark.readStream.format("scroll").option("metadata", url).option("streams", streams))
     for k, v in opts.items():
@@ -109,18 +133,19 @@ def test_streaming_admission_control_and_restart(spark, spark_cluster, stream_na
     pb = produce(url, b, [{"value": f"b{i}".encode()} for i in range(10)], create={})
     ck = str(tmp_path / "ck")
     batches = _collect_batches(spark, url, f"{a},{b}", ck, startingOffsets="earliest", maxRecordsPerTrigger="9")
-    # maxRecordsPerTrigger counts positions (a no-op of each producer's take-over holds one too)
-    total = pa[-1] + 1 + pb[-1] + 1
-    assert [n for _, n, _ in batches] == [9, 9, 9, total - 27]
-    # the first batch splits the limit in proportion to the backlogs
+    # maxRecordsPerTrigger counts records (offsets are dense: a take-over's no-op takes none)
+    assert pa == list(range(20)) and pb == list(range(10))
+    assert [n for _, n, _ in batches] == [9, 9, 9, 3]
+    assert [len(rows) for _, _, rows in batches] == [9, 9, 9, 3]
+    # the first batch splits the limit in proportion to the backlogs: 6 of a, 3 of b
     first = batches[0][2]
-    share_a = round(9 * (pa[-1] + 1) / total)
-    assert max(o for s, o, _ in first if s == a) < share_a and max(o for s, o, _ in first if s == b) < 9 - share_a
+    assert sorted(o for s, o, _ in first if s == a) == list(range(6))
+    assert sorted(o for s, o, _ in first if s == b) == list(range(3))
     # stop; more data; restart from the checkpoint: exactly the new records, nothing again
     pa += produce(url, a, [{"value": f"a{i}".encode()} for i in range(20, 27)])
     pb += produce(url, b, [{"value": f"b{i}".encode()} for i in range(10, 15)])
     again = _collect_batches(spark, url, f"{a},{b}", ck, startingOffsets="earliest", maxRecordsPerTrigger="9")
-    assert [n for _, n, _ in again] == [9, pa[-1] + 1 + pb[-1] + 1 - total - 9]
+    assert [n for _, n, _ in again] == [9, 3]
     assert again[0][0] > batches[-1][0]
     rows = [(s, o, v) for _, _, rs in batches + again for s, o, v in rs]
     assert len(rows) == len(set(rows)) == 42
@@ -171,11 +196,12 @@ def _wait(cond, q, timeout=90):
 @pytest.mark.parametrize("fail", [True, False], ids=["fail", "skip"])
 def test_data_removed_by_retention(spark, spark_cluster, stream_name, tmp_path, fail):
     url = spark_cluster.metadata_url
-    p0 = produce(url, stream_name, [{"value": f"r{i}".encode()} for i in range(5)], create={"fragment_entries_max": 10})
+    p0 = produce(url, stream_name, [{"value": f"r{i}".encode()} for i in range(5)], create={"fragment_entries_max": 10},
+                 per_entry=True)
     ck = str(tmp_path / "ck")
     done = _collect_batches(spark, url, stream_name, ck, startingOffsets="earliest")
     assert [len(rows) for _, _, rows in done] == [5]
-    positions = produce(url, stream_name, [{"value": f"r{i}".encode()} for i in range(5, 45)])
+    positions = produce(url, stream_name, [{"value": f"r{i}".encode()} for i in range(5, 45)], per_entry=True)
     earliest = remove_front_fragments(url, stream_name, 2)
     resume_at = p0[-1] + 1  # the offset the checkpoint holds
     assert earliest > resume_at
@@ -183,7 +209,7 @@ def test_data_removed_by_retention(spark, spark_cluster, stream_name, tmp_path, 
         with pytest.raises(Exception) as info:
             _collect_batches(spark, url, stream_name, ck, startingOffsets="earliest")
         msg = str(info.value)
-        assert stream_name in msg and f"position {resume_at} " in msg and f"earliest position now is {earliest}" in msg
+        assert stream_name in msg and f"offset {resume_at} " in msg and f"earliest offset now is {earliest}" in msg
         with pytest.raises(Exception, match="data loss"):
             _reader(spark, url, streams=stream_name, startingOffsets=json.dumps({stream_name: 0})).collect()
     else:

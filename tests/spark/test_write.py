@@ -31,6 +31,22 @@ def test_batch_write_appends_every_row(spark, spark_cluster, sclient, stream_nam
     assert not [n for n in stream_names(url) if n.startswith("_spark.")], "staging streams were left behind"
 
 
+def test_write_to_a_topic_partitions_by_key(spark, spark_cluster, sclient, stream_name):
+    from streams.topics import partition_for
+
+    url = spark_cluster.metadata_url
+    sclient.create_topic(stream_name, 3)
+    rows = [(f"k{i % 7}", f"value-{i}".encode()) for i in range(200)] + [(None, b"keyless")]
+    df = spark.createDataFrame(rows, "key string, value binary").repartition(2)
+    _writer(df, url, stream_name).mode("append").save()
+    got = {p: read_all(url, f"{stream_name}:{p}" if p else stream_name) for p in range(3)}
+    assert sorted((r.key or b"-", r.value) for recs in got.values() for r in recs) == sorted(
+        ((k or "-").encode(), v) for k, v in rows)
+    for p, recs in got.items():  # Kafka's default partitioner: the same key lands where a Kafka client puts it
+        assert all(partition_for(r.key, 3) == p for r in recs if r.key is not None)
+        assert [r.offset for r in recs] == list(range(len(recs)))
+
+
 def test_bad_input_is_refused_and_appends_nothing(spark, spark_cluster, sclient, stream_name):
     url = spark_cluster.metadata_url
     with pytest.raises(Exception, match="no stream named"):
@@ -49,7 +65,7 @@ def test_bad_input_is_refused_and_appends_nothing(spark, spark_cluster, sclient,
 
 
 def _run_copy(spark, url, source, target, ck, **opts):
-    """Copy ``source`` to ``target`` with a Trigger.AvailableNow query, 10 positions per batch."""
+    """Copy ``source`` to ``target`` with a Trigger.AvailableNow query, 10 records per batch."""
     q = (spark.readStream.format("scroll").option("metadata", url).option("streams", source)
          .option("startingOffsets", "earliest").option("maxRecordsPerTrigger", "10").load()
          .selectExpr("key", "value", "timestamp")
@@ -76,16 +92,19 @@ def test_exactly_once_across_failed_commits_and_restarts(spark, spark_cluster, s
     sclient.create_stream(target)
     ck = str(tmp_path / "ck")
     stage = {"stageInlineBytes": "1000000" if inline else "0"}
-    in_batch = [sum(1 for p in positions if p // 10 == b) for b in range(4)]  # 10 positions per batch
-    # run 1: batch 0 commits; batch 1 dies after 4 of its records reached the target
-    err = _run_copy(spark, url, source, target, ck, testFailpoint="mid-copy:1:4", **stage)
+    assert positions == list(range(30))
+    in_batch = [10, 10, 10]
+    # run 1: batch 0 commits; batch 1 dies after 4 of its records reached the target (batchBytes=100:
+    # one record per record batch, so the copy can stop between records)
+    err = _run_copy(spark, url, source, target, ck, testFailpoint="mid-copy:1:4", batchBytes="100", **stage)
     assert err is not None and "failpoint" in str(err)
     assert len(read_all(url, target)) == in_batch[0] + 4
-    # run 2: batch 1 is replayed and completed; batch 2 dies after its commit record is written
+    # run 2: batch 1 is replayed and completed (its 10 rows now come in one record batch, 4 of whose
+    # records are there already: the other 6 are appended); batch 2 dies after its commit record is written
     err = _run_copy(spark, url, source, target, ck, testFailpoint="after-commit:2", **stage)
     assert err is not None and "failpoint" in str(err)
     assert len(read_all(url, target)) == sum(in_batch[:3])
-    # run 3: Spark replays batch 2, which is already committed: nothing is appended twice; then batch 3
+    # run 3: Spark replays batch 2, which is already committed: nothing is appended twice
     assert _run_copy(spark, url, source, target, ck, **stage) is None
     assert len(read_all(url, target)) == 30
     # more data later, with a take-over of the target by another producer in between: still exactly once
@@ -95,8 +114,9 @@ def test_exactly_once_across_failed_commits_and_restarts(spark, spark_cluster, s
     got = read_all(url, target)
     assert sorted(r.value for r in got) == sorted(f"e{i}".encode() for i in range(31))
     assert all(r.key == f"k{int(r.value[1:]) % 3}".encode() for r in got)
-    batch_of = {f"e{i}".encode(): p // 10 for i, p in enumerate(positions)} | {b"e30": 4}
+    assert [r.offset for r in got] == list(range(31))
+    batch_of = {f"e{i}".encode(): p // 10 for i, p in enumerate(positions)} | {b"e30": 3}
     assert all(dict(r.headers)["scroll.spark.batch"].decode().endswith(f":{batch_of[r.value]}") for r in got)
     assert not [n for n in stream_names(url) if n.startswith("_spark.")], "staging streams were left behind"
     (rec,) = sclient.describe_stream(target).meta.extra["spark"].values()
-    assert rec["batch"] == 4 and "pending" not in rec
+    assert rec == {"batch": 3, "end": {target: 31}}
