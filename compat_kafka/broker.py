@@ -31,7 +31,7 @@ from typing import Any
 
 from kio.schema.errors import ErrorCode
 
-from streams.errors import NoSuchTopic, TopicExists
+from streams.errors import NoSuchTopic, StaleTermError, TopicExists
 from streams.topics import InvalidTopicName, TopicMeta, check_topic_name
 
 from . import codec
@@ -214,34 +214,41 @@ class Broker:
                 await self.store.delete(k)
         log.info("topic=%s deleted", meta.name)
 
-    async def partition(self, topic: str, index: int) -> PartitionLog:
+    async def partition(self, topic: str, index: int, write: bool = False) -> PartitionLog:
+        """The open partition; opened on first use: read-only for reads (no take-over), writable
+        (the stream's one writer, a take-over) for ``write``. A read-only one is replaced by a
+        writable one on the first produce; a failed one (its writer fenced by another writer) is
+        opened again."""
         key = (topic, index)
         plog = self._logs.get(key)
         owned = self.ownership.owns(partition_key(topic, index))
-        if plog is not None and plog.usable and owned:
+        if plog is not None and plog.usable and owned and (plog.writable or not write):
             return plog
-        if plog is not None and not plog.usable:  # its writer failed: take the stream over again (if still ours)
+        if plog is not None and not plog.usable:  # its writer failed: open it again (if still ours)
             del self._logs[key]
             asyncio.ensure_future(plog.close())
-        opening = self._opening.get(key)
+        okey = (topic, index, write)
+        opening = self._opening.get(okey)
         if opening is None:
-            opening = asyncio.ensure_future(self._open(topic, index))
-            self._opening[key] = opening
-            opening.add_done_callback(lambda _f: self._opening.pop(key, None))
+            opening = asyncio.ensure_future(self._open(topic, index, write))
+            self._opening[okey] = opening
+            opening.add_done_callback(lambda _f: self._opening.pop(okey, None))
         return await asyncio.shield(opening)
 
-    async def _open(self, topic: str, index: int) -> PartitionLog:
+    async def _open(self, topic: str, index: int, write: bool) -> PartitionLog:
         plog = self._logs.get((topic, index))
-        if plog is not None and plog.usable:  # open, but our lease was not known valid for a moment
+        if plog is not None and plog.usable and (plog.writable or not write):
+            # open, but our lease was not known valid for a moment
             if self.ownership.owns(partition_key(topic, index)):
                 return plog
-            raise NotLeaderOrFollower(f"{topic}-{index} is not served by node {self.node_id} now")
+            raise NotLeaderOrFollower(f"{topic} partition {index} is not served by node {self.node_id} now")
         meta = await self.topic(topic)
         if meta is None or not 0 <= index < meta.partitions:
-            raise UnknownTopicOrPartition(f"unknown topic or partition {topic}-{index}")
+            raise UnknownTopicOrPartition(f"unknown topic or partition {topic} partition {index}")
         if not await self.ownership.claim(partition_key(topic, index)):
-            raise NotLeaderOrFollower(f"{topic}-{index} is owned by another shim (this is node {self.node_id})")
-        plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append)
+            raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
+                                      f"{self.node_id})")
+        plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append, writable=write)
         try:
             await plog.open()
         except BaseException:
@@ -249,7 +256,13 @@ class Broker:
             raise
         if not self.ownership.owns(partition_key(topic, index)):  # lost while opening
             await plog.close()
-            raise NotLeaderOrFollower(f"{topic}-{index}: node {self.node_id} lost its lease while opening")
+            raise NotLeaderOrFollower(f"{topic} partition {index}: node {self.node_id} lost its lease while opening")
+        old = self._logs.get((topic, index))
+        if old is not None and old is not plog:
+            if old.usable and old.writable and not write:  # a writable one opened meanwhile: keep it
+                await plog.close()
+                return old
+            asyncio.ensure_future(old.close())
         self._logs[(topic, index)] = plog
         return plog
 
@@ -333,7 +346,7 @@ class Broker:
                         raise InvalidRequest("transactions are not supported")
                     batches = split_batches(p.records or b"")
                     idempotent = idempotent or any(b.producer_id >= 0 for b in batches)
-                    plog = await self.partition(t.name, p.index)
+                    plog = await self.partition(t.name, p.index, write=True)
                     base, futs = await plog.append(batches)
                     pending.append((t.name, p.index, base, futs, plog))
                 except Exception as exc:
@@ -402,22 +415,39 @@ class Broker:
         max_bytes = max(1, min(req.max_bytes, self.config.max_fetch_bytes))
         while True:
             appended = self._appended
-            topics, total, errors = await self._fetch_once(req, resp_cls, max_bytes)
+            topics, total, errors, followers = await self._fetch_once(req, resp_cls, max_bytes)
             remaining = deadline - loop.time()
             if total >= req.min_bytes or total >= max_bytes or errors or remaining <= 0:
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(appended.wait(), remaining)
+            # wait for our own appends, or for another writer's on the partitions served read-only
+            waits = [asyncio.ensure_future(appended.wait())]
+            waits += [asyncio.ensure_future(f.wait_for_more(remaining)) for f in followers]
+            try:
+                await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+                for w in waits:
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await w
         return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, session_id=0, responses=topics)
 
     async def _read_partition(self, topic: str, index: int, offset: int, room: int):
+        """(records, error, high watermark, log start, the partition if it was read-only and caught up)."""
         try:
-            plog = await self.partition(topic, index)
-            hw, start = plog.high_watermark, plog.log_start
-            return await plog.read(offset, max(room, 1)), None, hw, start
+            for attempt in (1, 2):
+                plog = await self.partition(topic, index)
+                try:
+                    records = await plog.read(offset, max(room, 1))
+                except StaleTermError:
+                    if attempt == 2 or plog.usable:
+                        raise
+                    continue  # another writer took the stream over: serve it read-only from now on
+                follower = plog if not plog.writable and offset >= plog.high_watermark else None
+                return records, None, plog.high_watermark, plog.log_start, follower
         except Exception as exc:
             self._log_error("fetch", topic, index, exc)
-            return b"", exc, -1, -1
+            return b"", exc, -1, -1, None
 
     async def _fetch_once(self, req, resp_cls, max_bytes: int):
         """Partitions are read concurrently (each up to its own limit); a partition whose records
@@ -431,11 +461,13 @@ class Broker:
             reads = iter([await self._read_partition(*jobs[0])])
         else:
             reads = iter(await asyncio.gather(*(self._read_partition(*j) for j in jobs)))
-        total, errors, topics = 0, 0, []
+        total, errors, topics, followers = 0, 0, [], []
         for t in req.topics:
             parts = []
             for p in t.partitions:
-                records, error, hw, start = next(reads)
+                records, error, hw, start, follower = next(reads)
+                if follower is not None:
+                    followers.append(follower)
                 if error is not None:
                     errors += 1
                 if total and total + len(records) > max_bytes:
@@ -446,7 +478,7 @@ class Broker:
                     high_watermark=hw, last_stable_offset=hw, log_start_offset=start, aborted_transactions=(),
                     preferred_read_replica=-1, records=records))
             topics.append(topic_cls(topic=t.topic, partitions=tuple(parts)))
-        return tuple(topics), total, errors
+        return tuple(topics), total, errors, followers
 
     # ---------------------------------------------------------------- ListOffsets
     async def list_offsets(self, req, resp_cls):
@@ -458,13 +490,7 @@ class Broker:
             for p in t.partitions:
                 offset, ts, error = -1, -1, None
                 try:
-                    plog = await self.partition(t.name, p.partition_index)
-                    if p.timestamp in (-2, -4, -5):  # earliest, earliest-local, earliest-pending-upload
-                        offset = await plog.refresh_log_start()
-                    elif p.timestamp < 0:  # -1 latest, -3 max timestamp: the high watermark
-                        offset = plog.high_watermark
-                    else:
-                        offset, ts = await plog.offset_for_timestamp(p.timestamp)
+                    offset, ts = await self._list_offset(t.name, p.partition_index, p.timestamp)
                 except Exception as exc:
                     self._log_error("list_offsets", t.name, p.partition_index, exc)
                     error = exc
@@ -473,6 +499,21 @@ class Broker:
                                    timestamp=ts, offset=offset, leader_epoch=-1))
             topics.append(topic_cls(name=t.name, partitions=tuple(parts)))
         return build(resp_cls, throttle_time=ZERO_MS, topics=tuple(topics))
+
+    async def _list_offset(self, topic: str, index: int, timestamp: int) -> tuple[int, int]:
+        for attempt in (1, 2):
+            plog = await self.partition(topic, index)
+            try:
+                if timestamp in (-2, -4, -5):  # earliest, earliest-local, earliest-pending-upload
+                    return await plog.refresh_log_start(), -1
+                if timestamp < 0:  # -1 latest, -3 max timestamp: the high watermark
+                    await plog.caught_up()
+                    return plog.high_watermark, -1
+                return await plog.offset_for_timestamp(timestamp)
+            except StaleTermError:
+                if attempt == 2 or plog.usable:
+                    raise
+        raise AssertionError("unreachable")
 
     # ---------------------------------------------------------------- CreateTopics / DeleteTopics
     async def create_topics(self, req, resp_cls):

@@ -5,13 +5,23 @@ one Kafka RecordBatch v2 whose baseOffset is the stream's record offset of its f
 record offsets are dense from 0. A Kafka offset *is* that record offset, so nothing here keeps
 offsets of its own:
 
-- Opening a partition opens the stream's ``Producer`` (a take-over, a new term); the producer is
-  the one writer and learns the next offset from the last batch at or below the LAC. A produce
-  batch (checked by ``compat_kafka.batches.split_batches``) is queued with
-  ``Producer.append_batch``, which assigns its base offset and writes it into the batch.
-- The high watermark is the end offset of the last acknowledged batch (the producer's futures
-  resolve in offset order, so it is exact without asking a bookie); the log start is the first
-  record offset retention kept (``Consumer.earliest_offset``: fragment metadata).
+- A partition is opened **read-only** for Fetch and ListOffsets: no take-over, so a Python
+  producer (or any other writer) keeps the stream while Kafka consumers tail it. The high
+  watermark is then the offset after the LAC the bookies report (``Consumer.end_position``),
+  learnt again when a fetch reaches it; a caught-up fetch long-polls the LAC on a bookie
+  (``Consumer.wait_lac``), so it is woken by the other writer's append.
+- The first Produce opens it **writable**: the stream's ``Producer`` (a take-over, a new term) is
+  then the one writer and learns the next offset from the last batch at or below the LAC. A
+  produce batch (checked by ``compat_kafka.batches.split_batches``) is queued with
+  ``Producer.append_batch``, which assigns its base offset and writes it into the batch. The high
+  watermark is the end offset of the last acknowledged batch (the producer's futures resolve in
+  offset order, so it is exact without asking a bookie). When a fetch or ListOffsets finds the
+  partition caught up, one LAC read tells whether another writer has taken the stream over since
+  (the bookies answer with their term); if so the writer is dropped and the partition is served
+  read-only again, so records written elsewhere become visible without a Kafka produce failing
+  first.
+- The log start is the first record offset retention kept (``Consumer.earliest_offset``: fragment
+  metadata).
 - A Fetch finds the entry holding its offset with ``Consumer.locate`` (fragment first offsets, then
   a binary search over entries; cached) — or, for a consumer reading on from where its last fetch
   ended, from a small cursor table (end offset -> next entry id) with no search at all — and then
@@ -45,7 +55,7 @@ from dataclasses import dataclass
 from streams.batches import StoredBatch, records_of, stored_batch
 from streams.consumer import Consumer
 from streams.driver import ProducerOptions
-from streams.errors import DataRemovedError, PayloadTooLarge, WriterWithdrawn
+from streams.errors import DataRemovedError, PayloadTooLarge, StaleTermError, WriterWithdrawn
 from streams.offsets import next_batch, search_timestamp
 from streams.producer import Producer
 from streams.topics import partition_stream
@@ -79,8 +89,9 @@ class PartitionConfig:
 
 class PartitionLog:
     def __init__(self, client, topic: str, partition: int, config: PartitionConfig,
-                 on_append: Callable[[], None] = lambda: None):
+                 on_append: Callable[[], None] = lambda: None, *, writable: bool = True):
         self.client = client
+        self.writable = writable  # False: served read-only, no take-over (see the module docstring)
         self.store = client.cluster.store
         self.topic = topic
         self.partition = partition
@@ -92,6 +103,7 @@ class PartitionLog:
         self.high_watermark = 0
         self.log_start = 0
         self.stream_id = -1
+        self._last_entry = -1  # read-only: the LAC the high watermark was learnt at
         self.failure: BaseException | None = None
         self._lock = asyncio.Lock()
         self._cursors: dict[int, int] = {}  # end offset of a batch served -> the entry after it
@@ -110,6 +122,16 @@ class PartitionLog:
 
     # ---------------------------------------------------------------- life cycle
     async def open(self) -> None:
+        if not self.writable:
+            meta, _ = await self.client.cluster.ledgers.get_ledger(self.stream)
+            self.reader = Consumer(self.client.cluster, meta, max_read_entries=self.config.max_read_entries,
+                                   max_read_bytes=self.config.max_read_bytes)
+            self.stream_id = meta.ledger_id
+            self.log_start = await self.reader.earliest_offset()
+            await self.follow()
+            log.info("topic=%s partition=%d stream=%s open read-only: LAC %d, offsets %d..%d", self.topic,
+                     self.partition, self.stream, self._last_entry, self.log_start, self.high_watermark)
+            return
         # the one writer of this partition's stream (a take-over; it recovers the next offset)
         self.producer = await self.client.producer(self.topic, LISTENER_PRODUCER, partition=self.partition)
         meta, _ = await self.client.cluster.ledgers.get_ledger(self.producer.stream_id)  # after the take-over
@@ -220,6 +242,8 @@ class PartitionLog:
         wait for the original's acknowledgement if it is still in flight)."""
         async with self._lock:
             self._check_usable()
+            if not self.writable:
+                raise WriterWithdrawn(f"{self.stream}: opened read-only")
             dups = self._check_sequences(batches)
             first = None
             futures = []
@@ -312,14 +336,44 @@ class PartitionLog:
             raise OffsetOutOfRange(f"offset {offset} outside {self.log_start}..{self.high_watermark} of "
                                    f"{self.topic} partition {self.partition}")
 
+    async def follow(self) -> None:
+        """Read-only: learn the high watermark again from the LAC the bookies report."""
+        lac = await self.reader.wait_lac(-1, 0.0)
+        end = await self.reader.offset_after(lac)
+        self._last_entry = max(self._last_entry, lac)
+        self.high_watermark = max(self.high_watermark, end)
+
+    async def wait_for_more(self, timeout_s: float) -> None:
+        """Read-only: wait up to ``timeout_s`` for an entry past the high watermark's LAC."""
+        await self.reader.wait_lac(self._last_entry, timeout_s)
+
+    async def caught_up(self) -> None:
+        """At the high watermark: read-only, learn it again; writable, check (one LAC read) that no
+        other writer took the stream over, else fail with StaleTermError (the broker then serves
+        the partition read-only)."""
+        if not self.writable:
+            await self.follow()
+            return
+        self._check_usable()
+        r = self.reader
+        await r.wait_lac(-1, 0.0)
+        if r.seen_term > self.producer.term:
+            exc = StaleTermError(f"stream {self.stream!r} was taken over (term {r.seen_term}; this listener wrote "
+                                 f"in term {self.producer.term})")
+            self._fail(exc)
+            raise exc
+
     async def read(self, offset: int, max_bytes: int) -> bytes:
         """The stored record batches from the one holding ``offset`` up to the high watermark, at
         most ``max_bytes`` except that the first batch is always whole (as Kafka does)."""
+        if offset >= self.high_watermark:
+            await self.caught_up()
         self.check_offset(offset)
         hw = self.high_watermark
         if offset == hw:
             return b""
-        last = self.producer.lac  # every entry up to here is acknowledged; batches from hw on are not served yet
+        # every entry up to ``last`` is acknowledged; batches from hw on are not served yet
+        last = self.producer.lac if self.writable else self._last_entry
         eid = self._cursors.pop(offset, None)
         if eid is None:
             eid = await self._locate(offset)
@@ -356,7 +410,8 @@ class PartitionLog:
     async def _locate(self, offset: int) -> int:
         """The entry id of the batch holding ``offset`` (log_start <= offset < high watermark)."""
         r = self.reader
-        r.lac = max(r.lac, self.producer.lac)  # the bookies may not have been told our LAC yet
+        if self.writable:
+            r.lac = max(r.lac, self.producer.lac)  # the bookies may not have been told our LAC yet
         return await r.locate(offset)
 
     async def refresh_log_start(self) -> int:
@@ -368,13 +423,16 @@ class PartitionLog:
     async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:
         """(offset, timestamp) of the first record whose timestamp is >= ``ts``; (-1, -1) if none.
         Batches' max timestamps are taken as non-decreasing (producer time), as Kafka's time index does."""
+        if not self.writable:
+            await self.follow()
         r = self.reader
         hw = self.high_watermark
 
         async def next_in(first: int, last: int) -> StoredBatch | None:
             return await next_batch(r.read_raw, first, last)
 
-        b = await search_timestamp(next_in, r.earliest_entry() - 1, self.producer.lac + 1, ts)
+        last = self.producer.lac if self.writable else self._last_entry
+        b = await search_timestamp(next_in, r.earliest_entry() - 1, last + 1, ts)
         if b is None or b.base_offset >= hw:
             return -1, -1
         for rec in records_of(b, self.stream, max(b.base_offset, self.log_start)):

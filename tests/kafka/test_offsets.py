@@ -31,7 +31,7 @@ def test_take_over_recovers_dense_offsets(shim, kafka_cluster, topic):
         client = await connect(kafka_cluster.metadata_url, add_timeout_s=5, call_timeout_s=5)
         broker = Broker(client, BrokerConfig())
         try:
-            plog = await broker.partition(topic, 0)
+            plog = await broker.partition(topic, 0, write=True)
             assert (plog.log_start, plog.next_offset, plog.high_watermark) == (0, 4, 4)
             stored = []  # (base offset, end offset, the stored batch bytes)
             eid, lac = plog.reader.earliest_entry(), plog.producer.lac

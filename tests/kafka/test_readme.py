@@ -16,9 +16,9 @@ README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def _block(lang: str, must: str) -> str:
-    for m in re.finditer(rf"```{lang}\n(.*?)```", README, re.S):
-        if must in m.group(1):
-            return m.group(1)
+    for m in re.finditer(r"^```(\w*)\n(.*?)^```$", README, re.S | re.M):  # fences at line starts, in order
+        if m.group(1) == lang and must in m.group(2):
+            return m.group(2)
     raise AssertionError(f"no ```{lang} block with {must!r} in README.md")
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import subprocess
+import threading
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
@@ -130,6 +132,64 @@ def test_python_producer_records_read_by_kcat_confluent_and_aiokafka(kafka_clust
     assert read_kcat(shim.bootstrap, topic) == want
     assert read_confluent(shim.bootstrap, topic, len(want)) == want
     assert read_aiokafka(shim.bootstrap, topic, len(want)) == want
+
+
+def test_kafka_consumer_tails_a_stream_the_python_producer_keeps_writing(kafka_cluster, shim, topic):
+    """Reading through the listener takes nothing over: a Kafka consumer tails the stream while the
+    Python producer keeps writing it, and sees each record as it is acknowledged."""
+    got: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    ready = threading.Event()
+
+    def tail() -> None:
+        c = Consumer({"bootstrap.servers": shim.bootstrap, "group.id": f"tail-{topic}", "enable.auto.commit": False,
+                      "fetch.wait.max.ms": 5000})  # a long poll: woken by the Python producer's appends
+        try:
+            c.assign([TopicPartition(topic, 0, 0)])
+            while not stop.is_set():
+                m = c.poll(0.1)
+                ready.set()
+                if m is not None:
+                    got.put(m.error() or (m.offset(), m.value()))
+        finally:
+            c.close()
+
+    async def write(client):
+        await client.create_stream(topic)
+        reader = threading.Thread(target=tail, daemon=True)
+        reader.start()
+        try:
+            async with await client.producer(topic) as p:
+                await asyncio.to_thread(ready.wait, 30)
+                for i in range(10):  # one record at a time: the consumer sees it before the next is written
+                    assert await p.append(b"live-%d" % i) == i  # never fenced by the Kafka reads
+                    assert await asyncio.to_thread(got.get, timeout=30) == (i, b"live-%d" % i)
+        finally:
+            stop.set()
+            await asyncio.to_thread(reader.join, 30)
+
+    run(write, kafka_cluster.metadata_url)
+
+
+def test_records_written_after_taking_a_kafka_topic_over_are_read_by_kafka_clients(kafka_cluster, shim, topic):
+    """The listener wrote the partition (a Kafka producer), then a Python producer takes it over:
+    the listener notices when a reader catches up (the bookies answer with the newer term) and
+    serves the partition read-only, so Kafka consumers see the Python records at once."""
+    subprocess.run(["kcat", "-b", shim.bootstrap, "-P", "-t", topic], input="from-kafka\n", text=True, timeout=30,
+                   check=True)
+    assert [(o, v) for o, _, v, _, _ in read_kcat(shim.bootstrap, topic)] == [(0, b"from-kafka")]
+
+    async def write(client):
+        async with await client.producer(topic) as p:
+            return await p.append_many([b"from-python-1", b"from-python-2"])
+
+    assert run(write, kafka_cluster.metadata_url) == [1, 2]
+    assert [(o, v) for o, _, v, _, _ in read_kcat(shim.bootstrap, topic)] == [
+        (0, b"from-kafka"), (1, b"from-python-1"), (2, b"from-python-2")]
+    # and a Kafka producer takes it back: offsets go on densely
+    subprocess.run(["kcat", "-b", shim.bootstrap, "-P", "-t", topic], input="again\n", text=True, timeout=30,
+                   check=True)
+    assert [o for o, _, _, _, _ in read_kcat(shim.bootstrap, topic)] == [0, 1, 2, 3]
 
 
 def test_kcat_lists_a_stream_created_with_the_python_api(kafka_cluster, shim, topic):
