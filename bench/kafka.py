@@ -3,9 +3,10 @@
 How this works. ``LocalCluster`` starts etcd and three bookie processes; one ``scroll kafka`` shim
 runs as its own process. Then, on a fresh topic of ``--partitions`` partitions:
 
-* reference: the raw streams client (this process, ``Producer.append_future``) appending
-  ``--value-bytes`` entries to a fresh stream for ``--ref-seconds``: entries/s and this process's CPU
-  per append. Each Kafka batch is one such append, so this is the per-entry cost the shim pays.
+* reference: the streams client (this process) appending one-record batches of ``--value-bytes``
+  with ``Producer.append_batch`` to a fresh stream for ``--ref-seconds``: entries/s and this
+  process's CPU per append. The listener stores each Kafka batch with one such append, so this is
+  the per-entry cost the shim pays.
 * produce: a confluent-kafka producer (acks=all, linger.ms=5, ``--value-bytes`` values) sends
   ``--records`` records as fast as it can while a confluent-kafka consumer in another process tails
   the topic. records/s and MB/s count from the first produce() to the last delivery report;
@@ -65,16 +66,25 @@ def pct(xs: list[float], q: float) -> float:
 
 # ---------------------------------------------------------------- reference: the raw streams client
 async def reference(url: str, value_bytes: int, seconds: float) -> dict:
+    """One-record batches appended with ``Producer.append_batch``, as the listener stores each
+    produce batch: the per-entry cost of the streams client."""
+    from compat_kafka.partition import LISTENER_PRODUCER
+    from streams.batches import BatchBuilder
+
     client = await connect(url)
     try:
         name = f"bench-ref-{int(time.time())}"
         await client.create_stream(name, 3, 3, 2)
-        p = await client.producer(name)
-        payload = b"\x00" + os.urandom(value_bytes)
+        p = await client.producer(name, LISTENER_PRODUCER)  # the listener's options
+        b = BatchBuilder(0, 1 << 20)
+        b.append(os.urandom(value_bytes), None, [], None)
+        batch = bytes(b.build(0))
         futs, n = [], 0
         t0, c0 = time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:
-            futs.append(await p.append_raw(payload))
+            if not p.has_space():
+                await p.wait_for_space()
+            futs.append(p.append_batch(batch)[1])
             n += 1
             if len(futs) >= 2000:
                 await asyncio.gather(*futs)
