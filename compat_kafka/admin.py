@@ -147,21 +147,21 @@ class Admin:
         }
 
     # ------------------------------------------------------------ topic records
-    async def _topic_record(self, name: str) -> TopicMeta:
-        """The topic's record; a stream created alone (no record yet) gets one now, so that its
-        configs and partition count can be changed like any topic's."""
+    async def _topic_record(self, name: str, for_change: bool = False) -> TopicMeta:
+        """The topic's record. ``for_change``: a stream created alone (no record yet) gets one now
+        (same topic id), so that its configs and partition count can be changed like any topic's."""
         try:
             meta = await self.client.describe_topic(name)
         except NoSuchTopic:
             raise UnknownTopicOrPartition(f"unknown topic {name!r}") from None
-        if await self.store.get(topic_key(name)) is None:
+        if for_change and await self.store.get(topic_key(name)) is None:
             await self.store.create(topic_key(name), meta.encode())  # lost to a concurrent create: fine
         return meta
 
     async def _update_topic(self, name: str, change: Callable[[TopicMeta], TopicMeta],
                             validate_only: bool) -> TopicMeta:
         """Compare-and-set the topic record: ``change`` returns the new record (or raises)."""
-        cur = await self._topic_record(name)
+        cur = await self._topic_record(name, for_change=not validate_only)
         if validate_only:
             return change(cur)
         try:

@@ -202,3 +202,51 @@ def test_retention_floor_is_the_lowest_committed_offset(admin, shim, kafka_clust
     assert floor(kafka_cluster, stream) == 4
     commit(f"a-{topic}", 6)  # consumed everything
     assert floor(kafka_cluster, stream) == 6
+
+
+def test_streams_and_topics_of_the_python_api_are_kafka_topics(admin, shim, kafka_cluster, topic):
+    """One set of topics: a stream created alone, a topic created with the Python API and one
+    created with CreateTopics are the same kind of thing for both APIs."""
+    async def create(client):
+        await client.create_stream(topic)
+        await client.create_topic(f"{topic}.py", 2, {"retention.ms": "60000"})
+
+    async def describe(client, name):
+        return await client.describe_topic(name)
+
+    def run(fn, *args):
+        async def go():
+            client = await connect(kafka_cluster.metadata_url)
+            try:
+                return await fn(client, *args)
+            finally:
+                await client.close()
+
+        return asyncio.run(go())
+
+    run(create)
+    listed = admin.list_topics(timeout=10).topics
+    assert sorted(listed[topic].partitions) == [0] and sorted(listed[f"{topic}.py"].partitions) == [0, 1]
+    res = ConfigResource(ResourceType.TOPIC, f"{topic}.py")
+    assert admin.describe_configs([res])[res].result(timeout=20)["retention.ms"].value == "60000"
+
+    # the stream created alone: its configs and partitions change like any topic's
+    res = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
+        ConfigEntry("retention.bytes", "4096", incremental_operation=AlterConfigOpType.SET)])
+    admin.incremental_alter_configs([res])[res].result(timeout=20)
+    assert stream_info(kafka_cluster, topic)[0] == {"max_bytes": 4096}
+    admin.create_partitions([NewPartitions(topic, 3)])[topic].result(timeout=20)
+    t = run(describe, topic)
+    assert (t.partitions, t.configs) == (3, {"retention.bytes": "4096"})
+    assert stream_info(kafka_cluster, partition_stream(topic, 2))[0] == {"max_bytes": 4096}
+    assert sorted(admin.list_topics(topic, timeout=10).topics[topic].partitions) == [0, 1, 2]
+
+    # CreateTopics on a name that is already a stream: TOPIC_ALREADY_EXISTS; DeleteTopics removes all
+    assert error_name(admin.create_topics([NewTopic(topic, 1, 1)])[topic]) == "TOPIC_ALREADY_EXISTS"
+    admin.delete_topics([topic])[topic].result(timeout=20)
+
+    async def gone(client):
+        return {m.name for m in await client.list_streams()} & {topic, partition_stream(topic, 1),
+                                                                 partition_stream(topic, 2)}
+
+    assert run(gone) == set()
