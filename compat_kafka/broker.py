@@ -6,10 +6,11 @@ None for an acks=0 produce, which gets no answer). Topics are the streams API's 
 configs), shared with ``ScrollClient.create_topic`` and ``scroll topic``; partition ``p`` of topic
 ``t`` is the stream ``partition_stream(t, p)`` (``t`` itself for partition 0, ``t:p`` after), and a
 stream created alone with the Python API is a one-partition topic of its own name, listed in
-Metadata like any other. Partitions are opened on first use (``PartitionLog.open``, a take-over), kept
-open, and re-opened after their writer fails. Fetch long-polls on this shim's own appends: the
-shim is the only writer of every partition it serves, so an acknowledged append is what moves a
-high watermark.
+Metadata like any other. Partitions are opened on first use (``PartitionLog.open``) and kept open:
+read-only for Fetch/ListOffsets (no take-over: another writer, a Python producer say, keeps the
+stream), writable for Produce (the stream's one writer, a take-over), and opened again after their
+writer fails or another writer took the stream over. Fetch long-polls on this shim's own
+acknowledged appends, and on the bookies' LAC for read-only partitions.
 
 Several shims (``compat_kafka.ownership``): each registers as a broker under a lease and serves only
 the partitions it owns (claimed under its lease on first use when it is the preferred node);
