@@ -126,3 +126,29 @@ def test_consume_reads_a_stream_longer_than_one_batch(cluster, stream_name):
     run(cluster, "produce", stream_name, input=lines)
     assert run(cluster, "consume", stream_name).stdout == lines
     assert run(cluster, "consume", stream_name, "--max", "700").stdout.count(b"\n") == 700
+
+
+def test_consume_follow_waits_for_records_written_later(cluster, stream_name):
+    t = stream_name.replace("_", "-")
+    run(cluster, "topic", "create", t, "--partitions", "2")
+    env = dict(os.environ, SCROLL_METADATA=cluster.metadata_url)
+    one = None
+    follower = subprocess.Popen([*SCROLL, "consume", t, "--follow", "--max", "3", "--json"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env)
+    try:
+        # past the end with --follow: waits for the offset instead of failing
+        one = subprocess.Popen([*SCROLL, "consume", t, "--partition", "1", "--from", "1", "--follow", "--max", "1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        run(cluster, "produce", t, "--partition", "1", input=b"p1-a\np1-b\n")
+        run(cluster, "produce", t, "--partition", "0", input=b"p0-a\n")
+        out, err = follower.communicate(timeout=60)
+        assert follower.returncode == 0, err.decode()
+        got = sorted((r["partition"], r["offset"], r["value"]) for r in map(json.loads, out.splitlines()))
+        assert got == [(0, 0, "p0-a"), (1, 0, "p1-a"), (1, 1, "p1-b")]
+        out, err = one.communicate(timeout=60)
+        assert one.returncode == 0 and out == b"p1-b\n", err.decode()
+    finally:
+        for p in (follower, one):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
