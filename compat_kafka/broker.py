@@ -414,9 +414,11 @@ class Broker:
         wait_s = min(max(req.max_wait.total_seconds(), 0.0), self.config.max_fetch_wait_ms / 1000)
         deadline = loop.time() + wait_s
         max_bytes = max(1, min(req.max_bytes, self.config.max_fetch_bytes))
+        refresh = True  # the first pass learns caught-up partitions' state; later ones are woken with it
         while True:
             appended = self._appended
-            topics, total, errors, followers = await self._fetch_once(req, resp_cls, max_bytes)
+            topics, total, errors, followers = await self._fetch_once(req, resp_cls, max_bytes, refresh)
+            refresh = False
             remaining = deadline - loop.time()
             if total >= req.min_bytes or total >= max_bytes or errors or remaining <= 0:
                 break
@@ -433,13 +435,13 @@ class Broker:
                         await w
         return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, session_id=0, responses=topics)
 
-    async def _read_partition(self, topic: str, index: int, offset: int, room: int):
+    async def _read_partition(self, topic: str, index: int, offset: int, room: int, refresh: bool):
         """(records, error, high watermark, log start, the partition if it was read-only and caught up)."""
         try:
             for attempt in (1, 2):
                 plog = await self.partition(topic, index)
                 try:
-                    records = await plog.read(offset, max(room, 1))
+                    records = await plog.read(offset, max(room, 1), refresh or attempt == 2)
                 except StaleTermError:
                     if attempt == 2 or plog.usable:
                         raise
@@ -450,13 +452,13 @@ class Broker:
             self._log_error("fetch", topic, index, exc)
             return b"", exc, -1, -1, None
 
-    async def _fetch_once(self, req, resp_cls, max_bytes: int):
+    async def _fetch_once(self, req, resp_cls, max_bytes: int, refresh: bool):
         """Partitions are read concurrently (each up to its own limit); a partition whose records
         would take the response over ``max_bytes`` gets none this time (the first one always has
         its whole first batch, as in Kafka), and the client fetches it again."""
         topic_cls = nested(resp_cls, "FetchableTopicResponse")
         part_cls = nested(resp_cls, "PartitionData")
-        jobs = [(t.topic, p.partition, p.fetch_offset, min(p.partition_max_bytes, max_bytes))
+        jobs = [(t.topic, p.partition, p.fetch_offset, min(p.partition_max_bytes, max_bytes), refresh)
                 for t in req.topics for p in t.partitions]
         if len(jobs) == 1:
             reads = iter([await self._read_partition(*jobs[0])])

@@ -344,8 +344,10 @@ class PartitionLog:
         self.high_watermark = max(self.high_watermark, end)
 
     async def wait_for_more(self, timeout_s: float) -> None:
-        """Read-only: wait up to ``timeout_s`` for an entry past the high watermark's LAC."""
-        await self.reader.wait_lac(self._last_entry, timeout_s)
+        """Read-only: wait up to ``timeout_s`` for an entry past the high watermark's LAC, and
+        learn the high watermark again when one came."""
+        if await self.reader.wait_lac(self._last_entry, timeout_s) > self._last_entry:
+            await self.follow()
 
     async def caught_up(self) -> None:
         """At the high watermark: read-only, learn it again; writable, check (one LAC read) that no
@@ -363,10 +365,11 @@ class PartitionLog:
             self._fail(exc)
             raise exc
 
-    async def read(self, offset: int, max_bytes: int) -> bytes:
+    async def read(self, offset: int, max_bytes: int, refresh: bool = True) -> bytes:
         """The stored record batches from the one holding ``offset`` up to the high watermark, at
-        most ``max_bytes`` except that the first batch is always whole (as Kafka does)."""
-        if offset >= self.high_watermark:
+        most ``max_bytes`` except that the first batch is always whole (as Kafka does).
+        ``refresh``: at the high watermark, ``caught_up`` first (one LAC read)."""
+        if offset >= self.high_watermark and refresh:
             await self.caught_up()
         self.check_offset(offset)
         hw = self.high_watermark
