@@ -11,9 +11,9 @@ from bookie.config import BookieConfig
 from bookie.server import BookieServer
 from fragments.memstore import MemoryStore
 from fragments.registry import BookieRegistration, register_bookie
+from streams.batches import RecordFormatError
 from streams.client import ScrollClient
 from streams.cluster import Cluster
-from streams.batches import RecordFormatError
 from streams.driver import ProducerOptions
 from streams.errors import StaleTermError
 
