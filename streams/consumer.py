@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 EARLIEST = "earliest"
 LATEST = "latest"
 STRIPED_RUNS = 32  # concurrent replica reads per range of a striped fragment
-SCAN_BACK_ENTRIES = 64  # entries read at a time when looking back for the last batch
+SCAN_BACK_ENTRIES = 64
+LAC_POLL_MAX_S = 1.0  # longest single long-poll
+IDLE_REFRESH_S = 2.0  # an idle consumer re-reads the fragments this often (a rollover onto other bookies)  # entries read at a time when looking back for the last batch
 
 
 class Consumer:
@@ -65,6 +67,7 @@ class Consumer:
         self._first_offsets: dict[tuple[int, int], int] = {}  # (fragment index, first entry) -> offset
         self._end_cache: tuple[int, int] = (-2, 0)  # (entry id, offset after it)
         self.read_ahead = read_ahead
+        self._refreshed_at = 0.0
         self._prefetch: tuple[int, asyncio.Future] | None = None  # (first entry, its read)
 
     # ---------------------------------------------------------------- position
@@ -327,6 +330,7 @@ class Consumer:
 
     # ---------------------------------------------------------------- internals
     async def _refresh(self) -> None:
+        self._refreshed_at = asyncio.get_running_loop().time()
         meta, _ = await self.cluster.ledgers.get_ledger(self.meta.ledger_id)
         self.meta = meta
         self.fragments = await self.cluster.ledgers.fragments(
@@ -368,7 +372,7 @@ class Consumer:
             if client is None:
                 continue
             try:
-                r = await client.read_lac(self.meta.ledger_id, after, wait_s)
+                r = await client.read_lac(self.meta.ledger_id, after, min(wait_s, LAC_POLL_MAX_S))
             except BookieError as exc:
                 log.debug("stream=%s LAC read from %s failed: %s", self.name, b, exc)
                 continue
@@ -378,6 +382,13 @@ class Consumer:
             # only after its first add of the term).
             self.lac = max(self.lac, r.lac, self.fragments[-1].first_entry_id - 1)
             self.seen_term = max(self.seen_term, r.term)
+            now = asyncio.get_running_loop().time()
+            if wait_s > 0 and self.lac <= after and now - self._refreshed_at >= IDLE_REFRESH_S:
+                # A poll without progress: the writer may have rolled over onto other bookies,
+                # whose LAC these members never hear. Re-read the fragments (at most one metadata
+                # read per IDLE_REFRESH_S while idle) so later polls ask the real last fragment.
+                await self._refresh()
+                self.lac = max(self.lac, self.fragments[-1].first_entry_id - 1)
             return
         await self._refresh()  # the ensemble may have changed
         await asyncio.sleep(min(wait_s, 0.1))  # no bookie answered: do not spin until the deadline

@@ -147,3 +147,34 @@ def test_a_stream_whose_entries_are_not_record_batches_is_refused_clearly(tmp_pa
             await stop_cluster(client, servers, regs)
 
     asyncio.run(body())
+
+
+def test_a_tailing_consumer_follows_a_rollover_onto_other_bookies(tmp_path):
+    """The consumer long-polls the LAC on the bookies of the last fragment it knows. When the
+    writer rolls over onto bookies outside that fragment, the old members' LAC stops moving: the
+    consumer must notice (a poll without progress re-reads the fragments) instead of waiting on
+    them for ever."""
+    async def body():
+        client, servers, regs = await start_cluster(tmp_path, n=6)
+        try:
+            await client.create_stream("s", ensemble=3, write_quorum=3, ack_quorum=2, fragment_entries_max=3)
+            first = (await client.describe_stream("s")).fragments[0].ensemble
+            for r in regs:  # only the other three stay live, so every new fragment goes there
+                if r.registration.bookie_id in first:
+                    await r.close()
+            p = await client.producer("s", ProducerOptions(batch_bytes=1024))
+            c = await client.consumer("s", start="latest")  # this term, fragment 0 cached, at the tail
+            await p.append_many([b"x" * 600] * 12)  # one record per entry: rollovers
+            info = await client.describe_stream("s")
+            assert set(info.fragments[-1].ensemble).isdisjoint(first)
+            got = []
+            while len(got) < 12:
+                batch = await c.read(100, timeout_s=15.0)  # without the re-read: stalls for ever
+                assert batch, f"the consumer stalled after {len(got)} records"
+                got.extend(batch)
+            assert [r.offset for r in got] == list(range(12))
+            await p.close()
+        finally:
+            await stop_cluster(client, servers, regs)
+
+    asyncio.run(body())
