@@ -30,6 +30,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from streams.batches import COMPRESSION
 from streams.topics import partition_stream
 
 EARLIEST = "earliest"
@@ -202,6 +203,7 @@ class ReadOptions:
         )
 
 
+DEFAULT_INLINE_BYTES = 16 << 20  # a task's output up to this goes to the driver in its commit message
 MAX_BATCH_BYTES = (1 << 20) - 512  # a built record batch must fit one entry (1 MiB) with its envelope
 
 
@@ -215,7 +217,9 @@ class WriteOptions:
     write_quorum: int
     ack_quorum: int
     inline_bytes: int  # task output up to this size travels in the commit message, beyond it a staging stream
+    stage_replicas: int  # copies of a staging stream (it lives only until the commit has read it)
     batch_bytes: int  # the size a task's record batches grow to before the next one starts
+    compression: str  # of the record batches: none, gzip, snappy, lz4, zstd
     test_fail: str | None  # test-only fault hook, see sink.py
 
     @classmethod
@@ -237,6 +241,9 @@ class WriteOptions:
         batch_bytes = _int(options, "batchBytes", MAX_BATCH_BYTES, 1)
         if batch_bytes > MAX_BATCH_BYTES:
             raise ScrollOptionError(f"option 'batchBytes' must be <= {MAX_BATCH_BYTES} (one entry), got {batch_bytes}")
+        compression = (_get(options, "compression") or "none").strip().lower()
+        if compression not in COMPRESSION:
+            raise ScrollOptionError(f"option 'compression' must be one of {', '.join(COMPRESSION)}, got {compression!r}")
         return cls(
             metadata=metadata,
             stream=stream,
@@ -245,7 +252,9 @@ class WriteOptions:
             ensemble=ensemble,
             write_quorum=wq,
             ack_quorum=aq,
-            inline_bytes=_int(options, "stageInlineBytes", 1 << 20, 0),
+            inline_bytes=_int(options, "stageInlineBytes", DEFAULT_INLINE_BYTES, 0),
+            stage_replicas=_int(options, "stageReplicas", 1, 1),
             batch_bytes=batch_bytes,
+            compression=compression,
             test_fail=_get(options, "testFailpoint"),
         )

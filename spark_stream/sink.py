@@ -65,12 +65,13 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowWriter, WriterCommitMessage
 from pyspark.sql.types import ArrayType, BinaryType, StringType, StructType, TimestampType
 
-from streams.batches import BatchBuilder, records_of, stored_batch
+from streams.batches import COMPRESSION, records_of, stored_batch
 from streams.errors import DataRemovedError, NoSuchStream, NoSuchTopic, StaleTermError, StreamExists, TopicExists
-from streams.topics import partition_for, partition_stream
+from streams.topics import partition_for
 
 from .options import STAGING_PREFIX, ScrollOptionError, WriteOptions
 from .runtime import runtime
@@ -102,7 +103,7 @@ class StagedOutput(WriterCommitMessage):
     attempt: int
     count: int = 0
     partitions: int = 1  # the target's partition count the task partitioned by
-    inline: list[tuple[int, bytes]] = field(default_factory=list)
+    inline: list[tuple[int, bytearray]] = field(default_factory=list)
     staging: str | None = None
     staged: list[int] = field(default_factory=list)
 
@@ -158,26 +159,27 @@ def _millis_list(col) -> list:
     return [None if v is None else v // div for v in ints]
 
 
-def arrow_rows(batch, cols: tuple[str, ...]):
-    """(value, key, headers, timestamp_ms) per row of an Arrow record batch, in order."""
+def arrow_columns(batch, cols: tuple[str, ...]):
+    """(values, keys, headers, timestamps in ms) of an Arrow record batch, as lists (keys, headers
+    and timestamps None when the column is absent; headers as lists of (name, value) pairs)."""
     names = {n.lower(): n for n in batch.schema.names}
     lower = {c.lower() for c in cols}
-    n = batch.num_rows
     values = _bytes_list(batch.column(names["value"]))
-    keys = _bytes_list(batch.column(names["key"])) if "key" in lower else [None] * n
-    headers = batch.column(names["headers"]).to_pylist() if "headers" in lower else None
-    stamps = _millis_list(batch.column(names["timestamp"])) if "timestamp" in lower else [None] * n
-    for i in range(n):
-        if values[i] is None:
-            raise ScrollWriteError("the scroll sink cannot write a row whose value is null")
-        hs = []
-        if headers is not None and headers[i]:
-            for h in headers[i]:
-                hk = h["key"]
-                if hk is None:
+    if None in values:
+        raise ScrollWriteError("the scroll sink cannot write a row whose value is null")
+    keys = _bytes_list(batch.column(names["key"])) if "key" in lower else None
+    headers = None
+    if "headers" in lower:
+        headers = []
+        for hs in batch.column(names["headers"]).to_pylist():
+            row = []
+            for h in hs or ():
+                if h["key"] is None:
                     raise ScrollWriteError("a header key is null")
-                hs.append((str(hk), h["value"]))
-        yield values[i], keys[i], hs, stamps[i]
+                row.append((h["key"], h["value"]))
+            headers.append(row)
+    stamps = _millis_list(batch.column(names["timestamp"])) if "timestamp" in lower else None
+    return values, keys, headers, stamps
 
 
 def content_key(key: bytes | None, value: bytes | None, headers) -> bytes:
@@ -238,12 +240,10 @@ class _Stager:
         self.producer = self.rt.run(self._open(), timeout=120)
 
     async def _open(self):
-        target = await self.client.describe_stream(partition_stream(self.opts.stream, 0))
-        cfg = target.meta.config
+        n = self.opts.stage_replicas
         for _ in range(3):
             try:
-                await self.client.create_stream(self.name, ensemble=cfg.ensemble_size, write_quorum=cfg.write_quorum,
-                                                ack_quorum=cfg.ack_quorum)
+                await self.client.create_stream(self.name, ensemble=n, write_quorum=n, ack_quorum=min(n, 2))
                 break
             except (StreamExists, TopicExists):  # left by an earlier run of this batch that died: it is garbage
                 await self.client.delete_stream(self.name)
@@ -276,26 +276,31 @@ def _partitions_of(opts: WriteOptions) -> int:
 
 
 def write_task(opts: WriteOptions, cols: tuple[str, ...], batches, query: str, batch: int,
-               tagged: bool) -> StagedOutput:
+               tagged: bool, partition: int | None = None, attempt: int | None = None) -> StagedOutput:
+    """One task's rows (Arrow record batches) as record batches, inline or staged; ``partition``
+    and ``attempt`` default to the Spark task's."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    partition = ctx.partitionId() if ctx else 0
-    attempt = ctx.attemptNumber() if ctx else 0
+    if partition is None:
+        partition = ctx.partitionId() if ctx else 0
+    if attempt is None:
+        attempt = ctx.attemptNumber() if ctx else 0
     nparts = _partitions_of(opts)
     keyless = partition % nparts
     extra = [(BATCH_HEADER, f"{query}:{batch}".encode())] if tagged else []
     out = StagedOutput(query, batch, partition, attempt, partitions=nparts)
-    built: list[tuple[int, bytes]] = []  # sealed batches not yet handed to the stager
+    built: list[tuple[int, bytearray]] = []  # sealed batches not yet handed to the stager
     nbytes = 0
     stager: _Stager | None = None
-    open_: dict[int, BatchBuilder] = {}
-    now_ms = int(time.time() * 1000)
+    size = opts.batch_bytes
+    codec = COMPRESSION[opts.compression]
+    open_: dict[int, list] = {}  # partition -> [aiokafka builder, records in it]
 
     def seal(p: int) -> None:
         nonlocal nbytes, stager
-        b = open_.pop(p)
-        raw = bytes(b.build(0))
+        builder, _ = open_.pop(p)
+        raw = builder.build()  # base offset 0: the target's producer sets it
         if len(raw) + 1 > _MAX_ENTRY_BYTES:
             raise ScrollWriteError(f"a row of {len(raw)} bytes (as a record batch) is over the "
                                    f"{_MAX_ENTRY_BYTES}-byte entry limit")
@@ -313,19 +318,23 @@ def write_task(opts: WriteOptions, cols: tuple[str, ...], batches, query: str, b
         built.clear()
 
     for rb in batches:
-        for value, key, headers, ts in arrow_rows(rb, cols):
+        values, keys, headers, stamps = arrow_columns(rb, cols)
+        n = len(values)
+        now_ms = int(time.time() * 1000)
+        for i in range(n):
+            key = keys[i] if keys is not None else None
             p = partition_for(key, nparts) if key is not None and nparts > 1 else keyless
-            b = open_.get(p)
-            if b is None:
-                b = open_[p] = BatchBuilder(0, opts.batch_bytes)
-            hs = headers + extra if extra else headers
-            if not b.append(value, key, hs, ts if ts is not None else now_ms):
+            cur = open_.get(p)
+            if cur is None:
+                cur = open_[p] = [DefaultRecordBatchBuilder(2, codec, 0, -1, -1, -1, size), 0]
+            hs = extra if headers is None else headers[i] + extra
+            ts = now_ms if stamps is None or stamps[i] is None else stamps[i]
+            if cur[0].append(cur[1], ts, key, values[i], hs) is None:  # full: seal it, start the next
                 seal(p)
-                b = open_[p] = BatchBuilder(0, opts.batch_bytes)
-                b.append(value, key, hs, ts if ts is not None else now_ms)
-            out.count += 1
-            if b.size() >= opts.batch_bytes:
-                seal(p)
+                cur = open_[p] = [DefaultRecordBatchBuilder(2, codec, 0, -1, -1, -1, size), 0]
+                cur[0].append(0, ts, key, values[i], hs)  # the first record always goes in
+            cur[1] += 1
+        out.count += n
     for p in sorted(open_):
         seal(p)
     if stager is not None:
