@@ -120,3 +120,29 @@ def test_exactly_once_across_failed_commits_and_restarts(spark, spark_cluster, s
     assert not [n for n in stream_names(url) if n.startswith("_spark.")], "staging streams were left behind"
     (rec,) = sclient.describe_stream(target).meta.extra["spark"].values()
     assert rec == {"batch": 3, "end": {target: 31}}
+
+
+def test_exactly_once_into_a_topic_across_a_failed_commit(spark, spark_cluster, sclient, stream_name, tmp_path):
+    from streams.topics import partition_for
+
+    url = spark_cluster.metadata_url
+    source, target = stream_name + "-src", stream_name + "-dst"
+    produce(url, source, [{"value": f"e{i}".encode(), "key": f"k{i}".encode()} for i in range(20)], create={})
+    sclient.create_topic(target, 3)
+    ck = str(tmp_path / "ck")
+    parts = [target, f"{target}:1", f"{target}:2"]
+    # batch 1 dies after 4 of its records (one per record batch) reached the partitions
+    err = _run_copy(spark, url, source, target, ck, testFailpoint="mid-copy:1:4", batchBytes="100")
+    assert err is not None and "failpoint" in str(err)
+    assert sum(len(read_all(url, p)) for p in parts) == 14
+    (rec,) = sclient.describe_stream(target).meta.extra["spark"].values()
+    assert rec["pending"] == 1 and set(rec["from"]) == set(parts)  # the intent names every partition
+    # the restart completes batch 1 exactly, whatever partitions its records went to
+    assert _run_copy(spark, url, source, target, ck) is None
+    got = {p: read_all(url, p) for p in parts}
+    assert sorted(r.value for rs in got.values() for r in rs) == sorted(f"e{i}".encode() for i in range(20))
+    for i, p in enumerate(parts):
+        assert all(partition_for(r.key, 3) == i for r in got[p])
+        assert [r.offset for r in got[p]] == list(range(len(got[p])))
+    (rec,) = sclient.describe_stream(target).meta.extra["spark"].values()
+    assert rec == {"batch": 1, "end": {p: len(got[p]) for p in parts}}
