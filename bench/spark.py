@@ -15,10 +15,17 @@ reference), then:
   rows/s = rows / wall time of the action;
 * parquet: the same rows written once to local Parquet, then the same action on
   ``spark.read.parquet``;
-* write (batch): the Parquet rows appended to a new stream with ``df.write.format("scroll")``;
+* write (batch): the Parquet rows appended to a new stream with ``df.write.format("scroll")``,
+  with task outputs inline (the default) and staged, and from the rows cached in Spark's memory
+  (the sink without the Parquet decoding);
 * write (streaming, exactly once): the Parquet files read as a stream (``readStream.parquet``,
-  Trigger.AvailableNow, one micro-batch) into the ``scroll`` sink with a checkpoint; the target is
-  then checked to hold exactly the rows once.
+  Trigger.AvailableNow, ``--batch-bytes`` of files per micro-batch) into the ``scroll`` sink with a
+  checkpoint; the target is then checked to hold exactly the rows once, and its commit record to
+  end at the row count.
+
+The Spark session sets ``spark.sql.files.maxPartitionBytes`` to ``--task-bytes`` (16 MiB: each
+write task's output fits the sink's default ``stageInlineBytes``), ``spark.task.maxDirectResultSize``
+to 128 MiB and ``spark.driver.maxResultSize`` to 4g (docs/spark.md, tuning).
 
 Tasks build record batches and stage those over ``stageInlineBytes`` in staging streams; the
 driver forwards them to the target (see docs/spark.md). Every measurement also reports the CPU
@@ -220,8 +227,12 @@ def main(argv=None) -> int:
         if "write" in only:
             from streams.sync import connect
 
-            def write(target, **opts):
-                w = spark.read.parquet(pq).write.format("scroll").option("metadata", url).option("stream", target)
+            cached = spark.read.parquet(pq).cache()
+            cached.count()
+
+            def write(target, cache=False, **opts):
+                src = cached if cache else spark.read.parquet(pq)
+                w = src.write.format("scroll").option("metadata", url).option("stream", target)
                 for k, v in opts.items():
                     w = w.option(k, str(v))
                 w.mode("append").save()
@@ -232,7 +243,8 @@ def main(argv=None) -> int:
             spark.read.parquet(pq).limit(20_000).repartition(args.cores).write.format("scroll") \
                 .option("metadata", url).option("stream", warm).mode("append").save()
             for name, opts in (("scroll write (batch, inline)", {}),
-                               ("scroll write (batch, staged)", {"stageInlineBytes": 0})):
+                               ("scroll write (batch, staged)", {"stageInlineBytes": 0}),
+                               ("scroll write (batch, inline, cached input)", {"cache": True})):
                 target = f"{stream}-w{len(results)}"
                 with connect(url) as c:
                     c.create_stream(target, ensemble=3, write_quorum=3, ack_quorum=2)

@@ -70,6 +70,7 @@ from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamArrowW
 from pyspark.sql.types import ArrayType, BinaryType, StringType, StructType, TimestampType
 
 from streams.batches import COMPRESSION, records_of, stored_batch
+from streams.driver import ProducerOptions
 from streams.errors import DataRemovedError, NoSuchStream, NoSuchTopic, StaleTermError, StreamExists, TopicExists
 from streams.topics import partition_for
 
@@ -82,6 +83,9 @@ BATCH_HEADER = "scroll.spark.batch"
 EXTRA_KEY = "spark"
 _COMMIT_ATTEMPTS = 5
 _MAX_ENTRY_BYTES = 1 << 20
+# The commit forwards whole ~1 MiB batches: a deeper window than an appending producer's keeps the
+# bookies busy while acknowledgements come back.
+_COPY_OPTIONS = ProducerOptions(max_inflight_batches=16)
 
 
 class ScrollWriteError(RuntimeError):
@@ -523,7 +527,7 @@ async def commit_batch(opts: WriteOptions, msgs: list[StagedOutput], query: str,
     elif total == 0:
         return "empty"
 
-    opened = await client.producer(opts.stream)
+    opened = await client.producer(opts.stream, _COPY_OPTIONS)
     prods = list(getattr(opened, "producers", [opened]))
     by_stream = dict(zip(streams, prods))
     try:
