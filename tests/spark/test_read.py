@@ -104,7 +104,9 @@ def _collect_batches(spark, url, streams, checkpoint, **opts):
     """Run a Trigger.AvailableNow query to the end. Returns the non-empty batches as
     [(batch id, records planned for the batch, [(stream, offset, value)])]."""
     got = {}
-    reader = (spark.readStream.format("scroll").option("metadata", url).option("streams", streams))
+    reader = spark.readStream.format("scroll").option("metadata", url)
+    if streams is not None:
+        reader = reader.option("streams", streams)
     for k, v in opts.items():
         reader = reader.option(k, v)
 
@@ -219,3 +221,19 @@ def test_data_removed_by_retention(spark, spark_cluster, stream_name, tmp_path, 
         rows = _reader(spark, url, streams=stream_name, failOnDataLoss="false",
                        startingOffsets=json.dumps({stream_name: 0})).collect()
         assert sorted(r.offset for r in rows) == [p for p in positions if p >= earliest]
+
+
+def test_streaming_topic_reads_partitions_added_later(spark, spark_cluster, sclient, stream_name, tmp_path):
+    url = spark_cluster.metadata_url
+    sclient.create_topic(stream_name, 2)
+    with sclient.producer(stream_name) as w:  # the topic's producer: by key over both partitions
+        w.append_many([{"value": f"v{i}".encode(), "key": f"k{i}".encode()} for i in range(6)])
+    ck = str(tmp_path / "ck")
+    first = _collect_batches(spark, url, None, ck, topics=stream_name, startingOffsets="earliest")
+    assert sorted(v for _, _, rows in first for _, _, v in rows) == sorted(f"v{i}".encode() for i in range(6))
+    sclient.add_partitions(stream_name, 3)
+    with sclient.producer(f"{stream_name}:2") as w:  # the new partition's stream
+        w.append_many([{"value": f"p2-{i}".encode()} for i in range(4)])
+    again = _collect_batches(spark, url, None, ck, topics=stream_name, startingOffsets="earliest")
+    rows = [(s, o, v) for _, _, rs in again for s, o, v in rs]
+    assert sorted(rows) == [(f"{stream_name}:2", i, f"p2-{i}".encode()) for i in range(4)]  # from its first offset
