@@ -16,22 +16,25 @@ from dataclasses import dataclass
 
 import crc32c
 
-from streams.batches import HEADER_BYTES, producer_fields
+from streams.batches import (
+    ATTR_CONTROL,
+    ATTR_TRANSACTIONAL,
+    HEADER_BYTES,
+    OFF_ATTRIBUTES,
+    OFF_COUNT,
+    OFF_CRC,
+    OFF_LAST_DELTA,
+    OFF_LENGTH,
+    OFF_MAGIC,
+    OFF_MAX_TIMESTAMP,
+    producer_fields,
+)
 
 from .errors import CorruptMessage, InvalidRequest, UnsupportedForMessageFormat
 
 _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
 _U32 = struct.Struct(">I")
-_OFF_LENGTH = 8
-_OFF_MAGIC = 16
-_OFF_CRC = 17
-_OFF_ATTRIBUTES = 21
-_OFF_LAST_DELTA = 23
-_OFF_MAX_TIMESTAMP = 35
-_OFF_COUNT = 57
-_ATTR_TRANSACTIONAL = 0x10
-_ATTR_CONTROL = 0x20
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,24 +65,24 @@ def split_batches(records: bytes, max_batches: int = 10_000) -> list[Batch]:
     while pos < n:
         if n - pos < HEADER_BYTES:
             raise CorruptMessage(f"truncated record batch at byte {pos} ({n - pos} bytes left)")
-        (length,) = _I32.unpack_from(view, pos + _OFF_LENGTH)
+        (length,) = _I32.unpack_from(view, pos + OFF_LENGTH)
         end = pos + 12 + length
         if length < HEADER_BYTES - 12 or end > n:
             raise CorruptMessage(f"record batch at byte {pos} has bad length {length}")
-        magic = view[pos + _OFF_MAGIC]
+        magic = view[pos + OFF_MAGIC]
         if magic != 2:
             raise UnsupportedForMessageFormat(f"record batch magic {magic}: only magic 2 is supported")
         raw = view[pos:end]
-        (crc,) = _U32.unpack_from(raw, _OFF_CRC)
-        if crc32c.crc32c(raw[_OFF_ATTRIBUTES:]) != crc:
+        (crc,) = _U32.unpack_from(raw, OFF_CRC)
+        if crc32c.crc32c(raw[OFF_ATTRIBUTES:]) != crc:
             raise CorruptMessage(f"record batch at byte {pos}: CRC mismatch")
-        (last_delta,) = _I32.unpack_from(raw, _OFF_LAST_DELTA)
-        (count,) = _I32.unpack_from(raw, _OFF_COUNT)
+        (last_delta,) = _I32.unpack_from(raw, OFF_LAST_DELTA)
+        (count,) = _I32.unpack_from(raw, OFF_COUNT)
         if last_delta < 0 or count < 0 or count > last_delta + 1:
             raise CorruptMessage(f"record batch at byte {pos}: {count} records, lastOffsetDelta {last_delta}")
-        (max_ts,) = _I64.unpack_from(raw, _OFF_MAX_TIMESTAMP)
+        (max_ts,) = _I64.unpack_from(raw, OFF_MAX_TIMESTAMP)
         pid, epoch, seq = producer_fields(raw)
-        if raw[_OFF_ATTRIBUTES + 1] & (_ATTR_TRANSACTIONAL | _ATTR_CONTROL):
+        if raw[OFF_ATTRIBUTES + 1] & (ATTR_TRANSACTIONAL | ATTR_CONTROL):
             raise InvalidRequest(f"record batch at byte {pos} is transactional or a control batch: "
                                  "transactions are not supported")
         if pid >= 0 and (epoch < 0 or seq < 0):

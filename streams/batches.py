@@ -29,17 +29,17 @@ _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
 _U32 = struct.Struct(">I")
 _I16 = struct.Struct(">h")
-_OFF_LENGTH = 8
-_OFF_MAGIC = 16
-_OFF_CRC = 17
-_OFF_ATTRIBUTES = 21
-_OFF_LAST_DELTA = 23
-_OFF_FIRST_TIMESTAMP = 27
-_OFF_MAX_TIMESTAMP = 35
-_OFF_PRODUCER_ID = 43
-_OFF_PRODUCER_EPOCH = 51
-_OFF_BASE_SEQUENCE = 53
-_OFF_COUNT = 57
+OFF_LENGTH = 8
+OFF_MAGIC = 16
+OFF_CRC = 17
+OFF_ATTRIBUTES = 21
+OFF_LAST_DELTA = 23
+OFF_FIRST_TIMESTAMP = 27
+OFF_MAX_TIMESTAMP = 35
+OFF_PRODUCER_ID = 43
+OFF_PRODUCER_EPOCH = 51
+OFF_BASE_SEQUENCE = 53
+OFF_COUNT = 57
 ATTR_COMPRESSION = 0x07
 ATTR_TRANSACTIONAL = 0x10
 ATTR_CONTROL = 0x20
@@ -80,7 +80,7 @@ class StoredBatch:
     @property
     def offset_count(self) -> int:
         """Offsets the batch takes: lastOffsetDelta + 1."""
-        return _I32.unpack_from(self.data, 1 + _OFF_LAST_DELTA)[0] + 1
+        return _I32.unpack_from(self.data, 1 + OFF_LAST_DELTA)[0] + 1
 
     @property
     def end_offset(self) -> int:
@@ -88,11 +88,11 @@ class StoredBatch:
 
     @property
     def max_timestamp(self) -> int:
-        return _I64.unpack_from(self.data, 1 + _OFF_MAX_TIMESTAMP)[0]
+        return _I64.unpack_from(self.data, 1 + OFF_MAX_TIMESTAMP)[0]
 
     @property
     def attributes(self) -> int:
-        return _I16.unpack_from(self.data, 1 + _OFF_ATTRIBUTES)[0]
+        return _I16.unpack_from(self.data, 1 + OFF_ATTRIBUTES)[0]
 
     def producer(self) -> tuple[int, int, int]:
         """(producer id, producer epoch, base sequence) from the header."""
@@ -100,8 +100,8 @@ class StoredBatch:
 
 
 def producer_fields(buf, at: int = 0) -> tuple[int, int, int]:
-    return (_I64.unpack_from(buf, at + _OFF_PRODUCER_ID)[0], _I16.unpack_from(buf, at + _OFF_PRODUCER_EPOCH)[0],
-            _I32.unpack_from(buf, at + _OFF_BASE_SEQUENCE)[0])
+    return (_I64.unpack_from(buf, at + OFF_PRODUCER_ID)[0], _I16.unpack_from(buf, at + OFF_PRODUCER_EPOCH)[0],
+            _I32.unpack_from(buf, at + OFF_BASE_SEQUENCE)[0])
 
 
 def check_batch(batch, where: str = "") -> None:
@@ -109,13 +109,13 @@ def check_batch(batch, where: str = "") -> None:
     n = len(batch)
     if n < HEADER_BYTES:
         raise RecordFormatError(f"{where}: {n} bytes is too short for a record batch")
-    (length,) = _I32.unpack_from(batch, _OFF_LENGTH)
+    (length,) = _I32.unpack_from(batch, OFF_LENGTH)
     if 12 + length != n:
         raise RecordFormatError(f"{where}: record batch length {length} does not match {n} bytes")
-    if batch[_OFF_MAGIC] != 2:
-        raise RecordFormatError(f"{where}: record batch magic {batch[_OFF_MAGIC]} (only magic 2 is stored)")
-    (last_delta,) = _I32.unpack_from(batch, _OFF_LAST_DELTA)
-    (count,) = _I32.unpack_from(batch, _OFF_COUNT)
+    if batch[OFF_MAGIC] != 2:
+        raise RecordFormatError(f"{where}: record batch magic {batch[OFF_MAGIC]} (only magic 2 is stored)")
+    (last_delta,) = _I32.unpack_from(batch, OFF_LAST_DELTA)
+    (count,) = _I32.unpack_from(batch, OFF_COUNT)
     if last_delta < 0 or count < 0 or count > last_delta + 1:
         raise RecordFormatError(f"{where}: {count} records with lastOffsetDelta {last_delta}")
 
@@ -125,7 +125,7 @@ def stored_batch(entry_id: int, data) -> StoredBatch | None:
     data entry that is not a RecordBatch v2 (a stream from before the one log format)."""
     if not data or data[0] != ENVELOPE_DATA:
         return None
-    if len(data) < 1 + HEADER_BYTES or data[1 + _OFF_MAGIC] != 2:
+    if len(data) < 1 + HEADER_BYTES or data[1 + OFF_MAGIC] != 2:
         raise RecordFormatError(f"entry {entry_id} is not a Kafka record batch (magic 2): streams must hold "
                                 "record batches (see streams/batches.py)")
     return StoredBatch(entry_id, data)
@@ -139,7 +139,7 @@ def set_base_offset(buf: bytearray, base_offset: int) -> None:
 def records_of(b: StoredBatch, stream: str = "", from_offset: int = 0) -> list[Record]:
     """The records of a stored batch with offset >= ``from_offset`` (control batches hold none)."""
     data = b.data
-    if crc32c(memoryview(data)[1 + _OFF_ATTRIBUTES:]) != _U32.unpack_from(data, 1 + _OFF_CRC)[0]:
+    if crc32c(memoryview(data)[1 + OFF_ATTRIBUTES:]) != _U32.unpack_from(data, 1 + OFF_CRC)[0]:
         raise RecordFormatError(f"stream {stream!r} entry {b.entry_id}: record batch CRC mismatch")
     # Records are acyclic tuples of bytes, str and int: the cyclic GC has nothing to find in them,
     # but making hundreds of thousands triggers its collections over everything else alive (2x the
