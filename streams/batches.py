@@ -23,8 +23,9 @@ from typing import NamedTuple
 from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 from crc32c import crc32c
 
+from terms.entry import KIND_DATA
+
 HEADER_BYTES = 61  # RecordBatch v2 header, up to and including the record count
-ENVELOPE_DATA = 0x00  # terms.entry.KIND_DATA
 _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
 _U32 = struct.Struct(">I")
@@ -123,7 +124,7 @@ def check_batch(batch, where: str = "") -> None:
 def stored_batch(entry_id: int, data) -> StoredBatch | None:
     """An entry (envelope included) as a batch; None for a no-op. Raises RecordFormatError for a
     data entry that is not a RecordBatch v2 (a stream from before the one log format)."""
-    if not data or data[0] != ENVELOPE_DATA:
+    if not data or data[0] != KIND_DATA:
         return None
     if len(data) < 1 + HEADER_BYTES or data[1 + OFF_MAGIC] != 2:
         raise RecordFormatError(f"entry {entry_id} is not a Kafka record batch (magic 2): streams must hold "

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import struct
 import time
 from dataclasses import dataclass
 
-from .batches import COMPRESSION, BatchBuilder, check_batch, normalise_headers, set_base_offset
+from .batches import COMPRESSION, OFF_LAST_DELTA, BatchBuilder, check_batch, normalise_headers, set_base_offset
 from .driver import ProducerOptions, WriterDriver
 from .errors import PayloadTooLarge
 
+_I32 = struct.Struct(">i")
 _BATCH_OVERHEAD = 256  # batch header + one record's varints, with margin
 
 
@@ -61,7 +63,6 @@ class Producer:
         self._ready: collections.deque[_Sealed] = collections.deque()
         self._ready_bytes = 0
         self._unacked: collections.deque[asyncio.Future] = collections.deque()
-        self._inflight = 0
         self._idle_scheduled = False
         self._failure: BaseException | None = None
         self._space = asyncio.Event()
@@ -174,7 +175,7 @@ class Producer:
             raise PayloadTooLarge(f"batch of {len(batch)} bytes is over the {self.max_entry_bytes}-byte entry limit")
         self._seal()
         buf = bytearray(batch)
-        count = int.from_bytes(buf[23:27], "big", signed=True) + 1
+        count = _I32.unpack_from(buf, OFF_LAST_DELTA)[0] + 1
         base = self.next_offset
         set_base_offset(buf, base)
         self.next_offset = base + count
@@ -274,7 +275,7 @@ class Producer:
                 self._idle_scheduled = True
                 self._loop.call_later(wait, self._on_idle)
                 return
-        if self._inflight < self.options.max_inflight_batches and not self._ready:
+        if len(self._sent) < self.options.max_inflight_batches and not self._ready:
             self._seal()
         # else: it is sent when an in-flight batch is acknowledged (``_acked``)
         self._pump()
@@ -284,7 +285,7 @@ class Producer:
         if self._failure is not None:
             return
         d = self._driver
-        while self._ready and self._inflight < self.options.max_inflight_batches:
+        while self._ready and len(self._sent) < self.options.max_inflight_batches:
             s = self._ready[0]
             try:
                 if not d.can_append(len(s.data) + 1):
@@ -295,14 +296,12 @@ class Producer:
                 return
             self._ready.popleft()
             self._ready_bytes -= len(s.data)
-            self._inflight += 1
             self._sent[id(s)] = s
             efut.add_done_callback(lambda f, s=s: self._acked(s, f))
         if self._has_space():
             self._space.set()
 
     def _acked(self, s: _Sealed, efut: asyncio.Future) -> None:
-        self._inflight -= 1
         self._sent.pop(id(s), None)
         if efut.cancelled() or efut.exception() is not None:
             self._fail(efut.exception() if not efut.cancelled() else asyncio.CancelledError(), s)

@@ -178,6 +178,13 @@ async def _offsets_of(client, name: str) -> tuple[int, int]:
     return await c.earliest_offset(), c.position
 
 
+async def _describe_with_offsets(c, name: str):
+    """(StreamInfo, earliest offset, end offset) of one stream."""
+    info = await c.describe_stream(name)
+    earliest, end = await _offsets_of(c, name)
+    return info, earliest, end
+
+
 @stream.command("describe")
 @click.argument("name")
 @metadata_option
@@ -185,12 +192,7 @@ async def _offsets_of(client, name: str) -> tuple[int, int]:
 def stream_describe(name, metadata, as_json):
     """Show a stream's configuration, term, status and offsets."""
 
-    async def go(c):
-        info = await c.describe_stream(name)
-        earliest, end = await _offsets_of(c, name)
-        return info, earliest, end
-
-    info, earliest, end = _arun(metadata, go)
+    info, earliest, end = _arun(metadata, lambda c: _describe_with_offsets(c, name))
     d = _meta_dict(info.meta)
     d.update(earliest_offset=earliest, end_offset=end, records=end - earliest, fragments=len(info.fragments),
              bytes_in_sealed_fragments=info.bytes)
@@ -727,12 +729,7 @@ def retention_show(stream_name, metadata, as_json):
     """Show STREAM's retention policy, earliest offset and any deletion in progress."""
     from fragments.retention import Policy
 
-    async def go(c):
-        info = await c.describe_stream(stream_name)
-        earliest, end = await _offsets_of(c, stream_name)
-        return info, earliest, end
-
-    info, earliest, end = _arun(metadata, go)
+    info, earliest, end = _arun(metadata, lambda c: _describe_with_offsets(c, stream_name))
     m = info.meta
     d = {"stream": m.name, "retention": Policy.from_dict({k: v for k, v in m.retention.items() if k != "deleting"}).to_dict(),
          "deleting": m.retention.get("deleting"), "earliest_offset": earliest, "end_offset": end,
