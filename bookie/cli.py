@@ -2,10 +2,11 @@
 
 How this works: the options build a validated ``BookieConfig`` (``--set key=value`` overrides any
 field, e.g. ``--set min_free_bytes=0``); ``_serve`` opens storage (replaying the journal), binds
-gRPC (127.0.0.1 unless ``--host`` says otherwise; ``--port 0`` picks a free port), optionally starts
+gRPC (127.0.0.1 unless ``--host`` says otherwise; ``--port 0`` picks a free port) and the binary
+data plane (``--data-port``, any free port by default: clients learn it from Info), optionally starts
 the Prometheus endpoint, and prints one readiness line once serving::
 
-    bookie ready id=127.0.0.1:3181 address=127.0.0.1:3181 data_dir=/var/scroll metrics=none
+    bookie ready id=127.0.0.1:3181 address=127.0.0.1:3181 data_dir=/var/scroll metrics=none data_port=41234
 
 On SIGTERM or SIGINT it stops taking calls, lets in-flight calls finish, syncs the journal,
 checkpoints and exits 0, printing ``bookie stopped``.
@@ -48,6 +49,8 @@ def _parse_overrides(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.command("bookie")
 @click.option("--data-dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Entry logs and index.")
 @click.option("--port", default=3181, show_default=True, type=click.IntRange(0, 65535), help="gRPC port (0: any free port).")
+@click.option("--data-port", default=0, show_default=True, type=click.IntRange(0, 65535),
+              help="Binary data-plane port for adds and reads (0: any free port; clients learn it from Info).")
 @click.option("--journal-dir", type=click.Path(file_okay=False, path_type=Path), help="Journal directory (ideally its own disk).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Prometheus endpoint port (on --host).")
@@ -60,7 +63,7 @@ def _parse_overrides(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--registration-ttl", default=5.0, show_default=True, type=float,
               help="Lease TTL (s): a dead bookie leaves the live set this long after it stops refreshing.")
 def bookie_command(
-    data_dir: Path, port: int, journal_dir: Path | None, host: str, metrics_port: int | None,
+    data_dir: Path, port: int, data_port: int, journal_dir: Path | None, host: str, metrics_port: int | None,
     bookie_id: str, overrides: tuple[str, ...], log_level: str, metadata: str | None, rack: str,
     registration_ttl: float,
 ) -> None:
@@ -73,16 +76,17 @@ def bookie_command(
         raise click.BadParameter(str(exc)) from exc
     tune_malloc()
     try:
-        asyncio.run(_serve(config, host, port, metrics_port, metadata, rack, registration_ttl))
+        asyncio.run(_serve(config, host, port, metrics_port, metadata, rack, registration_ttl, data_port))
     except (BookieError, OSError, MetadataError) as exc:
         click.echo(f"bookie failed: {exc}", err=True)
         sys.exit(1)
 
 
 async def _serve(config: BookieConfig, host: str, port: int, metrics_port: int | None,
-                 metadata: str | None = None, rack: str = "/default-rack", ttl_s: float = 5.0) -> None:
+                 metadata: str | None = None, rack: str = "/default-rack", ttl_s: float = 5.0,
+                 data_port: int = 0) -> None:
     metrics = BookieMetrics()
-    server = BookieServer(config, host=host, port=port, metrics=metrics)
+    server = BookieServer(config, host=host, port=port, metrics=metrics, data_port=data_port)
     await server.start()
     http = None
     if metrics_port is not None:
@@ -92,7 +96,8 @@ async def _serve(config: BookieConfig, host: str, port: int, metrics_port: int |
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     shown = f"{host}:{http.server_port}" if http is not None else "none"
-    click.echo(f"bookie ready id={server.bookie_id} address={server.address} data_dir={config.data_dir} metrics={shown}")
+    click.echo(f"bookie ready id={server.bookie_id} address={server.address} data_dir={config.data_dir} metrics={shown} "
+               f"data_port={server.data_port}")
     sys.stdout.flush()
     registrar = await _register(server, metadata, rack, ttl_s) if metadata else None
     reporter = asyncio.create_task(_report_space(server, registrar, ttl_s)) if registrar else None

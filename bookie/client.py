@@ -1,14 +1,15 @@
 """Async client of one bookie, with add batching; answers are the events of ``terms.messages``.
 
-How this works. Adds go over one bidirectional gRPC stream per client. ``submit`` (a list of
-``AddRequest``) or ``submit_columns`` appends the adds to the newest *open batch* and returns one
-future for them. A sender task sends the oldest open batch the moment the pipe is idle, i.e. when
-fewer than ``max_inflight_batches`` batches await their answer; while it waits (a write in
-progress, or the in-flight limit reached) new adds gather in the open batch, up to
-``max_batch_adds`` / ``max_batch_bytes``. So a lone add goes out at once and a busy client sends
-few, large messages. A reader task matches each ``AddBatchResult`` to its batch by id and resolves
-the futures. If the stream breaks, or an answer takes longer than ``add_timeout_s``, every add not
-yet answered resolves as failed (``WriteFailed``) and the next add opens a fresh stream.
+How this works. The data plane (adds, reads, LAC reads and writes) runs on one TCP connection to
+the bookie's data port, in the binary frames of ``bookie.wire``; the control plane (fence,
+recovery read, trim, info) on gRPC. A client given only the gRPC address learns the data port from
+Info. ``submit`` (a list of ``AddRequest``) or ``submit_columns`` hands adds to the connection and
+returns one future for them: they leave at once as one ADD frame while fewer than
+``max_inflight_batches`` frames await their answer; otherwise they gather (up to
+``max_batch_adds`` / ``max_batch_bytes``) and leave with the next answer. So a lone add costs one
+frame and a busy client sends few, large ones. If the connection breaks, or an add is not answered
+within ``add_timeout_s``, every add not yet answered resolves as failed (``WriteFailed``) and the
+next request opens a fresh connection.
 
 The client computes each add's digest: CRC32C, or the MAC when ``set_password`` gave the ledger a
 password; reads verify digests (CRC32C always, MACs when the key is known).
@@ -16,7 +17,7 @@ password; reads verify digests (CRC32C always, MACs when the key is known).
 Answers for protocol calls are the sans-IO core's events (``AddOk``, ``InvalidTerm``,
 ``NotTruncated``, ``WriteFailed``, ``FenceOk``, ``FenceFailed``, ``ReadOk``, ``ReadMissing``,
 ``ReadFailed``) with ``bookie`` set to this client's bookie name, ready to feed to the core.
-Regular reads, long-poll LAC reads, trims and info raise typed ``BookieError``s instead.
+Regular reads, long-poll reads, trims and info raise typed ``BookieError``s instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +46,7 @@ from terms.messages import (
 )
 
 from . import digest as digests
+from . import wire
 from .errors import BookieError, BookieUnavailableError, CorruptEntryError, Status, TooLargeError, error_for
 from .proto import bookie_pb2 as pb
 from .proto import bookie_pb2_grpc as pb_grpc
@@ -51,7 +54,8 @@ from .proto import bookie_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-UNAVAILABLE = -1  # client-side status: the stream broke or timed out before an answer came
+UNAVAILABLE = -1  # client-side status: the connection broke or timed out before an answer came
+WATCHDOG_S = 0.5  # how often requests in flight are checked against their deadlines
 
 
 # ------------------------------------------------------------------------------ results
@@ -105,6 +109,7 @@ class ReadResult:
     entries: list[Entry]  # contiguous from the first id asked
     stop: Status  # why the run ended: OK (range or a limit reached), NO_SUCH_ENTRY, CORRUPT
     term: int = -1  # the bookie's term for the ledger
+    timed_out: bool = False  # a long-poll read that saw no new entry in time
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,148 +139,261 @@ class BookieInfo:
     version: str
 
 
-# ------------------------------------------------------------------------------ batching
+# ------------------------------------------------------------------------------ the data connection
 
 
 class _OpenBatch:
-    __slots__ = ("cols", "waiters", "n", "nbytes", "any_flag", "timer")
+    """Adds waiting for a free in-flight slot; they leave as one ADD frame."""
+
+    __slots__ = ("cols", "waiters", "n", "nbytes", "any_flag", "deadline")
 
     def __init__(self) -> None:
         self.cols: tuple[list, ...] = tuple([] for _ in range(10))
         self.waiters: list[tuple[asyncio.Future, int]] = []  # (future, count), in order
         self.n = 0
         self.nbytes = 0
-        self.any_flag = [False, False, False]  # truncate, recovery, MAC seen
-        self.timer: asyncio.TimerHandle | None = None
+        self.any_flag = False  # a truncate or recovery flag is set somewhere
+        self.deadline = 0.0
 
-    def to_message(self, batch_id: int) -> pb.AddBatch:
-        c = self.cols
-        return pb.AddBatch(
-            batch_id=batch_id, ledger_id=c[0], entry_id=c[1], term=c[2], lac=c[3], lafr=c[4],
-            truncate=c[5] if self.any_flag[0] else (), recovery=c[6] if self.any_flag[1] else (),
-            digest_type=c[7] if self.any_flag[2] else (), digest=c[8], data=c[9],
-        )
+    def add(self, cols, nbytes: int, flagged: bool, fut: asyncio.Future) -> None:
+        for dst, src in zip(self.cols, cols):
+            dst.extend(src)
+        k = len(cols[0])
+        self.waiters.append((fut, k))
+        self.n += k
+        self.nbytes += nbytes
+        self.any_flag = self.any_flag or flagged
 
 
-class _AddStream:
-    """One Add call: the sender, the reader and the batches in flight."""
+class _Call:
+    """A read or LAC request awaiting its answer."""
+
+    __slots__ = ("op", "fut", "deadline", "ledger_id")
+
+    def __init__(self, op: int, fut: asyncio.Future, deadline: float, ledger_id: int) -> None:
+        self.op = op
+        self.fut = fut
+        self.deadline = deadline
+        self.ledger_id = ledger_id
+
+
+class _DataConnection(asyncio.Protocol):
+    """One TCP connection to a bookie's data port: frames out, answers matched by request id.
+
+    Adds leave at once while fewer than ``max_inflight_batches`` ADD frames await their answer;
+    beyond that they gather into one open batch that leaves with the next answer, so a lone add
+    costs one frame and a busy client sends few, large ones. Nothing here runs a task per request:
+    answers resolve futures from ``data_received``; one watchdog timer, armed only while requests
+    are out, fails an add stream that stopped answering (``add_timeout_s``) and reads that did."""
 
     def __init__(self, client: BookieClient) -> None:
         self.client = client
-        self.call = client._stub.Add()
+        self.transport: asyncio.Transport | None = None
+        self.reader = wire.FrameReader(client.max_message_bytes)
+        self.adds: dict[int, _OpenBatch] = {}
+        self.calls: dict[int, _Call] = {}
         self.open: collections.deque[_OpenBatch] = collections.deque()
-        self.inflight: dict[int, _OpenBatch] = {}
-        self.next_id = 1
-        self.wake = asyncio.Event()
+        self.next_rid = 1
         self.dead = False
-        loop = asyncio.get_running_loop()
-        self.sender = loop.create_task(self._send_loop(), name="bookie-add-sender")
-        self.reader = loop.create_task(self._read_loop(), name="bookie-add-reader")
+        self.ready = asyncio.get_running_loop().create_future()
+        self.watchdog: asyncio.TimerHandle | None = None
+        self.connecting = asyncio.ensure_future(self._connect())
 
-    def enqueue(self, cols: tuple[Sequence, ...], nbytes: int, flags: tuple[bool, bool, bool]) -> asyncio.Future:
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            host, port = await self.client._data_address()
+            await asyncio.wait_for(loop.create_connection(lambda: self, host, port), self.client.call_timeout_s)
+        except asyncio.CancelledError:
+            self.fail("connection attempt cancelled", quiet=True)
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure: every waiting request fails
+            self.client._forget_data_address()
+            self.fail(f"cannot connect to the data port: {_describe(exc)}")
+
+    # ---------------------------------------------------------------- transport events
+    def connection_made(self, transport) -> None:
+        if self.dead:
+            transport.close()
+            return
+        self.transport = transport
+        if not self.ready.done():
+            self.ready.set_result(None)
+        self._pump()
+
+    def connection_lost(self, exc) -> None:
+        self.fail(f"data connection lost: {exc!r}" if exc else "data connection closed by the bookie")
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except wire.FrameError as exc:
+            self.fail(f"malformed answer from the bookie: {exc}")
+            return
+        for op, rid, body in frames:
+            try:
+                if op == wire.ADD | wire.ANSWER:
+                    self._add_answered(rid, body)
+                elif op == wire.ERROR:
+                    self._error_answered(rid, body)
+                else:
+                    self._call_answered(op, rid, body)
+            except (wire.FrameError, struct.error) as exc:
+                self.fail(f"malformed answer from the bookie: {exc}")
+                return
+
+    # ---------------------------------------------------------------- adds
+    def enqueue(self, cols, nbytes: int, flagged: bool) -> asyncio.Future:
         c = self.client
         k = len(cols[0])
         ob = self.open[-1] if self.open else None
         if ob is None or ob.n + k > c.max_batch_adds or (ob.n and ob.nbytes + nbytes > c.max_batch_bytes):
             ob = _OpenBatch()
             self.open.append(ob)
-        for dst, src in zip(ob.cols, cols):
-            dst.extend(src)
-        for i in range(3):
-            ob.any_flag[i] = ob.any_flag[i] or flags[i]
         fut = asyncio.get_running_loop().create_future()
-        ob.waiters.append((fut, k))
-        ob.n += k
-        ob.nbytes += nbytes
-        self.wake.set()
+        ob.add(cols, nbytes, flagged, fut)
+        if self.transport is not None:
+            self._pump()
         return fut
 
-    async def _send_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while not self.dead:
-                await self.wake.wait()
-                self.wake.clear()
-                while self.open and len(self.inflight) < self.client.max_inflight_batches:
-                    ob = self.open.popleft()
-                    bid = self.next_id
-                    self.next_id += 1
-                    self.inflight[bid] = ob
-                    ob.timer = loop.call_later(self.client.add_timeout_s, self._check_timeout, bid)
-                    await self.call.write(ob.to_message(bid))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.fail(f"add stream write failed: {exc!r}")
+    def _pump(self) -> None:
+        """Send open batches while in-flight slots are free."""
+        limit = self.client.max_inflight_batches
+        now = None
+        while self.open and len(self.adds) < limit and not self.dead:
+            ob = self.open.popleft()
+            rid = self._rid()
+            if now is None:
+                now = asyncio.get_running_loop().time()
+            ob.deadline = now + self.client.add_timeout_s
+            self.adds[rid] = ob
+            self.transport.writelines(wire.encode_add(rid, ob.cols, ob.any_flag))
+        if self.adds:
+            self._arm()
 
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                res = await self.call.read()
-                if res is grpc.aio.EOF:
-                    self.fail("add stream closed by the bookie")
-                    return
-                self._resolve(res)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.fail(f"add stream broke: {_describe(exc)}")
-
-    def _resolve(self, res: pb.AddBatchResult) -> None:
-        ob = self.inflight.pop(res.batch_id, None)
+    def _add_answered(self, rid: int, body: memoryview) -> None:
+        ob = self.adds.pop(rid, None)
         if ob is None:
-            log.warning("bookie %s answered unknown add batch %d", self.client.bookie, res.batch_id)
+            log.warning("bookie %s answered unknown add batch %d", self.client.bookie, rid)
             return
-        if ob.timer is not None:
-            ob.timer.cancel()
-        if res.all_ok:
+        n, statuses, terms, error = wire.decode_add_answer(body)
+        if statuses is None:
             for fut, k in ob.waiters:
                 if not fut.done():
                     fut.set_result(AddResults(k))
         else:
-            statuses, terms = list(res.status), list(res.bookie_term)
             if len(statuses) != ob.n:
-                statuses = [Status.INTERNAL] * ob.n
-                terms = [-1] * ob.n
+                statuses, terms = [Status.INTERNAL] * ob.n, [-1] * ob.n
             start = 0
             for fut, k in ob.waiters:
                 if not fut.done():
-                    fut.set_result(AddResults(k, statuses[start : start + k], terms[start : start + k], res.error))
+                    fut.set_result(AddResults(k, statuses[start:start + k], terms[start:start + k], error))
                 start += k
-        self.wake.set()
+        if self.open:
+            self._pump()
 
-    def _check_timeout(self, bid: int) -> None:
-        if bid in self.inflight and not self.dead:
-            self.fail(f"no answer to add batch {bid} within {self.client.add_timeout_s}s")
+    # ---------------------------------------------------------------- reads and LACs
+    def call(self, op: int, frame_of, ledger_id: int, timeout_s: float) -> asyncio.Future:
+        """Send one request (``frame_of(rid)`` builds it); the future gets the answer's body."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        rid = self._rid()
+        self.calls[rid] = _Call(op, fut, loop.time() + timeout_s, ledger_id)
+        frame = frame_of(rid)
+        if isinstance(frame, list):
+            self.transport.writelines(frame)
+        else:
+            self.transport.write(frame)
+        self._arm()
+        return fut
+
+    def _call_answered(self, op: int, rid: int, body: memoryview) -> None:
+        call = self.calls.pop(rid, None)
+        if call is None or call.op | wire.ANSWER != op:
+            if call is not None:
+                self.fail(f"bookie answered request {rid} with op {op}")
+            return
+        if not call.fut.done():
+            call.fut.set_result(body)
+
+    def _error_answered(self, rid: int, body: memoryview) -> None:
+        status, message = wire.decode_error(body)
+        err = error_for(status, message)
+        call = self.calls.pop(rid, None)
+        if call is not None:
+            if not call.fut.done():
+                call.fut.set_exception(err)
+            return
+        ob = self.adds.pop(rid, None)
+        if ob is not None:
+            for fut, k in ob.waiters:
+                if not fut.done():
+                    fut.set_result(AddResults(k, [status] * k, [-1] * k, message))
+            return
+        log.warning("bookie %s: %s", self.client.bookie, message)  # the bookie closes the connection next
+
+    # ---------------------------------------------------------------- timeouts, failure
+    def _rid(self) -> int:
+        rid = self.next_rid
+        self.next_rid = rid + 1 if rid < 0xFFFFFFFF else 1
+        return rid
+
+    def _arm(self) -> None:
+        if self.watchdog is None and not self.dead:
+            self.watchdog = asyncio.get_running_loop().call_later(WATCHDOG_S, self._check)
+
+    def _check(self) -> None:
+        self.watchdog = None
+        if self.dead:
+            return
+        now = asyncio.get_running_loop().time()
+        for ob in self.adds.values():
+            if ob.deadline <= now:
+                self.fail(f"no answer to an add within {self.client.add_timeout_s}s")
+                return
+        late = [rid for rid, call in self.calls.items() if call.deadline <= now]
+        for rid in late:
+            call = self.calls.pop(rid)
+            if not call.fut.done():
+                call.fut.set_exception(BookieUnavailableError(f"bookie {self.client.bookie}: no answer in time"))
+        if self.adds or self.calls:
+            self._arm()
 
     def fail(self, reason: str, quiet: bool = False) -> None:
-        """Every add not yet answered fails; the client will open a new stream."""
+        """Every request not yet answered fails; the client opens a new connection next time."""
         if self.dead:
             return
         self.dead = True
-        if self.inflight or self.open or not quiet:
+        if self.adds or self.open or self.calls or not quiet:
             log.warning("bookie %s: %s", self.client.bookie, reason)
-        batches = list(self.inflight.values()) + list(self.open)
-        self.inflight.clear()
+        batches = list(self.adds.values()) + list(self.open)
+        self.adds.clear()
         self.open.clear()
         for ob in batches:
             for fut, k in ob.waiters:
                 if not fut.done():
                     fut.set_result(AddResults(k, [UNAVAILABLE] * k, [-1] * k, reason))
-        self.call.cancel()
-        self.wake.set()
-        if self.client._stream is self:
-            self.client._stream = None
+        calls, self.calls = list(self.calls.values()), {}
+        for call in calls:
+            if not call.fut.done():
+                call.fut.set_exception(BookieUnavailableError(f"bookie {self.client.bookie}: {reason}"))
+        if not self.ready.done():
+            self.ready.set_exception(BookieUnavailableError(f"bookie {self.client.bookie}: {reason}"))
+            self.ready.exception()  # retrieved: a connection nobody awaited must not log it
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+        if self.transport is not None:
+            self.transport.close()
+        if self.client._conn is self:
+            self.client._conn = None
 
     async def close(self) -> None:
         self.fail("client closed", quiet=True)
-        for task in (self.sender, self.reader):
-            task.cancel()
-        await asyncio.gather(self.sender, self.reader, return_exceptions=True)
-        # let gRPC take the cancelled call's status: its own status task would otherwise still be
-        # pending when an owner stops the loop ("Task was destroyed but it is pending!")
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.call.code(), 2.0)
+        if not self.connecting.done():
+            self.connecting.cancel()
+        with contextlib.suppress(BaseException):
+            await self.connecting
 
 
 def _describe(exc: BaseException) -> str:
@@ -315,8 +433,12 @@ class BookieClient:
         max_message_bytes: int = 64 * MiB,
         add_timeout_s: float = 30.0,
         call_timeout_s: float = 30.0,
+        data_address: str | None = None,
     ) -> None:
         self.address = address
+        self.data_address = data_address  # host:port of the data plane; None: asked with Info
+        self._data_configured = data_address is not None
+        self.max_message_bytes = max_message_bytes
         self.bookie = bookie or address
         self.max_batch_adds = max_batch_adds
         self.max_batch_bytes = max_batch_bytes
@@ -339,7 +461,7 @@ class BookieClient:
             ],
         )
         self._stub = pb_grpc.BookieStub(self._channel)
-        self._stream: _AddStream | None = None
+        self._conn: _DataConnection | None = None
         self._calls: set = set()  # unary calls not yet finished
 
     async def __aenter__(self) -> BookieClient:
@@ -351,9 +473,9 @@ class BookieClient:
     async def close(self) -> None:
         """Cancel every call still running and wait until gRPC has finished each (closing the
         channel alone cancels them but leaves their status tasks pending on the loop)."""
-        if self._stream is not None:
-            await self._stream.close()
-            self._stream = None
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
         calls = list(self._calls)
         for call in calls:
             call.cancel()
@@ -394,17 +516,46 @@ class BookieClient:
         dtypes, digest_col = self._digests(ledger_ids, entry_ids, datas)
         truncates = truncates if truncates is not None else [False] * n
         recoveries = recoveries if recoveries is not None else [False] * n
-        flags = (any(truncates), any(recoveries), any(dtypes))
+        flagged = any(truncates) or any(recoveries)
         cols = (ledger_ids, entry_ids, terms, lacs, lafrs, truncates, recoveries, dtypes, digest_col, datas)
-        if self._stream is None or self._stream.dead:
-            self._stream = _AddStream(self)
-        chunks = list(self._chunks(datas))
-        if len(chunks) == 1:
-            return self._stream.enqueue(cols, chunks[0][2], flags)
+        conn = self._connection()
+        if n == 1 or n <= self.max_batch_adds and sum(map(len, datas)) <= self.max_batch_bytes:
+            return conn.enqueue(cols, sum(map(len, datas)), flagged)
         # A submission larger than one batch (e.g. an ensemble change resending a whole window)
         # goes out as several batches, each within the limits, and answers as one AddResults.
-        futs = [self._stream.enqueue(tuple(c[a:b] for c in cols), nb, flags) for a, b, nb in chunks]
+        futs = [conn.enqueue(tuple(c[a:b] for c in cols), nb, flagged) for a, b, nb in self._chunks(datas)]
         return asyncio.ensure_future(_merge(futs))
+
+    def _connection(self) -> _DataConnection:
+        conn = self._conn
+        if conn is None or conn.dead:
+            conn = self._conn = _DataConnection(self)
+        return conn
+
+    async def _ready_connection(self) -> _DataConnection:
+        conn = self._connection()
+        if conn.transport is None:
+            await asyncio.shield(conn.ready)
+        return conn
+
+    async def _data_address(self) -> tuple[str, int]:
+        """The data plane's host and port: as configured, or from Info (same host as gRPC)."""
+        if self.data_address is None:
+            r = await self._unary(self._stub.Info, pb.InfoRequest())
+            if not r.data_port:
+                raise BookieUnavailableError(f"bookie {self.bookie} reports no data port")
+            self.data_address = f"{self.address.rpartition(':')[0]}:{r.data_port}"
+        host, _, port = self.data_address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def _forget_data_address(self) -> None:
+        """After a failed connect: a restarted bookie may listen on another data port."""
+        if not self._data_configured:
+            self.data_address = None
+
+    async def _call(self, op: int, frame_of, ledger_id: int, extra_s: float = 0.0) -> memoryview:
+        conn = await self._ready_connection()
+        return await conn.call(op, frame_of, ledger_id, self.call_timeout_s + extra_s)
 
     def _chunks(self, datas):
         """(start, end, bytes) runs of at most max_batch_adds adds and max_batch_bytes bytes."""
@@ -483,50 +634,63 @@ class BookieClient:
 
     async def write_lac(self, ledger_id: int, term: int, lac: int, lafr: int):
         """Answers LacWritten, InvalidTerm, NotTruncated (entry_id = lac) or WriteFailed."""
-        req = pb.WriteLacRequest(ledger_id=ledger_id, term=term, lac=lac, lafr=lafr)
         try:
-            r = await self._tracked(self._stub.WriteLac, req)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("LAC write ledger=%d term=%d failed: %s", ledger_id, term, _describe(exc))
+            body = await self._call(wire.WRITE_LAC, lambda rid: wire.encode_write_lac(rid, ledger_id, term, lac, lafr), ledger_id)
+            status, bookie_term, error = wire.decode_write_lac_answer(body)
+        except BookieError as exc:
+            log.warning("LAC write ledger=%d term=%d failed: %s", ledger_id, term, exc)
             return WriteFailed(self.bookie, ledger_id, lac, term)
-        if r.status == Status.OK:
+        if status == Status.OK:
             return LacWritten(self.bookie, ledger_id, term)
-        if r.status == Status.INVALID_TERM:
-            return InvalidTerm(self.bookie, ledger_id, term, r.bookie_term)
-        if r.status == Status.NOT_TRUNCATED:
+        if status == Status.INVALID_TERM:
+            return InvalidTerm(self.bookie, ledger_id, term, bookie_term)
+        if status == Status.NOT_TRUNCATED:
             return NotTruncated(self.bookie, ledger_id, lac, term)
         return WriteFailed(self.bookie, ledger_id, lac, term)
 
     # ---------------------------------------------------------------- reads, trims, info
 
-    async def read(self, ledger_id: int, first: int, last: int | None = None, *, max_entries: int = 0, max_bytes: int = 0) -> ReadResult:
+    async def read(self, ledger_id: int, first: int, last: int | None = None, *, max_entries: int = 0,
+                   max_bytes: int = 0, wait_s: float = 0.0) -> ReadResult:
         """Entries first..last (contiguous prefix, bounded by the limits) and the bookie's LAC.
         Raises NoSuchLedgerError, NoSuchEntryError (first id absent), CorruptEntryError (first
-        id corrupt), or another BookieError."""
-        req = pb.ReadRequest(
-            ledger_id=ledger_id, first_entry_id=first, last_entry_id=first if last is None else last,
-            max_entries=max_entries, max_bytes=max_bytes,
+        id corrupt), or another BookieError.
+
+        With ``wait_s`` > 0 this is a long-poll "read LAC and entries": the bookie answers once its
+        LAC reaches ``first`` (or after ``wait_s``) with the entries up to its LAC; nothing new
+        in time gives a result with no entries and ``timed_out`` set instead of an error."""
+        last = first if last is None else last
+        wait_ms = int(wait_s * 1000) if wait_s > 0 else 0
+        body = await self._call(
+            wire.READ, lambda rid: wire.encode_read(rid, ledger_id, first, last, max_entries, max_bytes, wait_ms),
+            ledger_id, extra_s=wait_s,
         )
-        r = await self._unary(self._stub.Read, req)
-        if r.status != Status.OK:
-            raise error_for(r.status, r.error or f"read ledger {ledger_id} entry {first}")
-        entries, stop = [], Status(r.stop_status)
-        for eid, term, dtype, dig, data in zip(r.entry_id, r.entry_term, r.digest_type, r.digest, r.data):
+        status, lac, lafr, stop, term, timed_out, raw, error = wire.decode_read_answer(body)
+        if wait_ms and status == Status.OK and not raw:
+            return ReadResult(lac, lafr, [], Status(stop), term, timed_out=True)
+        if status != Status.OK:
+            raise error_for(status, error or f"read ledger {ledger_id} entry {first}")
+        entries, stop = [], Status(stop)
+        for eid, eterm, dtype, dig, data in raw:
             if not self._verify(ledger_id, eid, dtype, data, dig):
                 stop = Status.CORRUPT
                 break
-            entries.append(Entry(eid, term, data, dtype, dig))
+            entries.append(Entry(eid, eterm, data, dtype, dig))
         if not entries:
             raise CorruptEntryError(f"ledger {ledger_id} entry {first}: digest mismatch")
-        return ReadResult(r.lac, r.lafr, entries, stop, r.bookie_term)
+        return ReadResult(lac, lafr, entries, stop, term)
 
     async def read_lac(self, ledger_id: int, after_lac: int = -1, timeout_s: float = 0.0) -> LacResult:
         """The ledger's LAC; with a timeout, waits until it is > after_lac (long poll)."""
-        req = pb.ReadLacRequest(ledger_id=ledger_id, after_lac=after_lac, timeout_ms=int(timeout_s * 1000))
-        r = await self._unary(self._stub.ReadLac, req, extra_s=timeout_s)
-        if r.status != Status.OK:
-            raise error_for(r.status, r.error or f"read LAC of ledger {ledger_id}")
-        return LacResult(r.lac, r.lafr, r.timed_out, r.bookie_term)
+        timeout_ms = int(timeout_s * 1000) if timeout_s > 0 else 0
+        body = await self._call(
+            wire.READ_LAC, lambda rid: wire.encode_read_lac(rid, ledger_id, after_lac, timeout_ms), ledger_id,
+            extra_s=timeout_s,
+        )
+        status, lac, lafr, term, timed_out, error = wire.decode_read_lac_answer(body)
+        if status != Status.OK:
+            raise error_for(status, error or f"read LAC of ledger {ledger_id}")
+        return LacResult(lac, lafr, timed_out, term)
 
     async def trim(self, ledger_id: int, first: int, last: int) -> None:
         """Delete the ledger's entries with first <= id <= last (retention)."""

@@ -24,49 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62ookie/proto/bookie.proto\x12\x10scroll.bookie.v1\"\xdf\x01\n\x08\x41\x64\x64\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x11\n\tledger_id\x18\x02 \x03(\x04\x12\x10\n\x08\x65ntry_id\x18\x03 \x03(\x03\x12\x0c\n\x04term\x18\x04 \x03(\x03\x12\x0b\n\x03lac\x18\x05 \x03(\x03\x12\x0c\n\x04lafr\x18\x06 \x03(\x03\x12\x10\n\x08truncate\x18\x07 \x03(\x08\x12\x10\n\x08recovery\x18\x08 \x03(\x08\x12\x31\n\x0b\x64igest_type\x18\t \x03(\x0e\x32\x1c.scroll.bookie.v1.DigestType\x12\x0e\n\x06\x64igest\x18\n \x03(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x0b \x03(\x0c\"\x80\x01\n\x0e\x41\x64\x64\x42\x61tchResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x0e\n\x06\x61ll_ok\x18\x02 \x01(\x08\x12(\n\x06status\x18\x03 \x03(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x13\n\x0b\x62ookie_term\x18\x04 \x03(\x03\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"/\n\x0c\x46\x65nceRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x03\"x\n\rFenceResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x13\n\x0b\x62ookie_term\x18\x02 \x01(\x03\x12\x0b\n\x03lac\x18\x03 \x01(\x03\x12\x0c\n\x04lafr\x18\x04 \x01(\x03\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"H\n\x13RecoveryReadRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x10\n\x08\x65ntry_id\x18\x02 \x01(\x03\x12\x0c\n\x04term\x18\x03 \x01(\x03\"\xd6\x01\n\x14RecoveryReadResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x13\n\x0b\x62ookie_term\x18\x02 \x01(\x03\x12\x12\n\nentry_term\x18\x03 \x01(\x03\x12\x31\n\x0b\x64igest_type\x18\x04 \x01(\x0e\x32\x1c.scroll.bookie.v1.DigestType\x12\x0e\n\x06\x64igest\x18\x05 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0b\n\x03lac\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"w\n\x0bReadRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_entry_id\x18\x02 \x01(\x03\x12\x15\n\rlast_entry_id\x18\x03 \x01(\x03\x12\x13\n\x0bmax_entries\x18\x04 \x01(\r\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\"\x9d\x02\n\x0cReadResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x0b\n\x03lac\x18\x02 \x01(\x03\x12\x0c\n\x04lafr\x18\x03 \x01(\x03\x12\x10\n\x08\x65ntry_id\x18\x04 \x03(\x03\x12\x12\n\nentry_term\x18\x05 \x03(\x03\x12\x31\n\x0b\x64igest_type\x18\x06 \x03(\x0e\x32\x1c.scroll.bookie.v1.DigestType\x12\x0e\n\x06\x64igest\x18\x07 \x03(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x08 \x03(\x0c\x12-\n\x0bstop_status\x18\t \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x13\n\x0b\x62ookie_term\x18\x0b \x01(\x03\"J\n\x0eReadLacRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x11\n\tafter_lac\x18\x02 \x01(\x03\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"\x8d\x01\n\x0fReadLacResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x0b\n\x03lac\x18\x02 \x01(\x03\x12\x0c\n\x04lafr\x18\x03 \x01(\x03\x12\x11\n\ttimed_out\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x13\n\x0b\x62ookie_term\x18\x06 \x01(\x03\"M\n\x0fWriteLacRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x03\x12\x0b\n\x03lac\x18\x03 \x01(\x03\x12\x0c\n\x04lafr\x18\x04 \x01(\x03\"`\n\x10WriteLacResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x13\n\x0b\x62ookie_term\x18\x02 \x01(\x03\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"e\n\x0bTrimRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_entry_id\x18\x02 \x01(\x03\x12\x15\n\rlast_entry_id\x18\x03 \x01(\x03\x12\x14\n\x0cwhole_ledger\x18\x04 \x01(\x08\"G\n\x0cTrimResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\xdd\x01\n\x0cInfoResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x11\n\tbookie_id\x18\x02 \x01(\t\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x11\n\tread_only\x18\x05 \x01(\x08\x12\x18\n\x10read_only_reason\x18\x06 \x01(\t\x12\x0f\n\x07ledgers\x18\x07 \x01(\x04\x12\x19\n\x11write_cache_bytes\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t*\xea\x01\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x10\n\x0cINVALID_TERM\x10\x01\x12\x11\n\rNOT_TRUNCATED\x10\x02\x12\x11\n\rNO_SUCH_ENTRY\x10\x03\x12\x12\n\x0eNO_SUCH_LEDGER\x10\x04\x12\x0b\n\x07\x43ORRUPT\x10\x05\x12\r\n\tREAD_ONLY\x10\x06\x12\r\n\tTOO_LARGE\x10\x07\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x08\x12\x0e\n\nBAD_DIGEST\x10\t\x12\x0c\n\x08TOO_BUSY\x10\n\x12\x11\n\rSHUTTING_DOWN\x10\x0b\x12\x11\n\rSTORAGE_ERROR\x10\x0c\x12\x0c\n\x08INTERNAL\x10\r*,\n\nDigestType\x12\n\n\x06\x43RC32C\x10\x00\x12\x12\n\x0eHMAC_SHA256_16\x10\x01\x32\xf2\x04\n\x06\x42ookie\x12G\n\x03\x41\x64\x64\x12\x1a.scroll.bookie.v1.AddBatch\x1a .scroll.bookie.v1.AddBatchResult(\x01\x30\x01\x12H\n\x05\x46\x65nce\x12\x1e.scroll.bookie.v1.FenceRequest\x1a\x1f.scroll.bookie.v1.FenceResponse\x12]\n\x0cRecoveryRead\x12%.scroll.bookie.v1.RecoveryReadRequest\x1a&.scroll.bookie.v1.RecoveryReadResponse\x12\x45\n\x04Read\x12\x1d.scroll.bookie.v1.ReadRequest\x1a\x1e.scroll.bookie.v1.ReadResponse\x12N\n\x07ReadLac\x12 .scroll.bookie.v1.ReadLacRequest\x1a!.scroll.bookie.v1.ReadLacResponse\x12Q\n\x08WriteLac\x12!.scroll.bookie.v1.WriteLacRequest\x1a\".scroll.bookie.v1.WriteLacResponse\x12\x45\n\x04Trim\x12\x1d.scroll.bookie.v1.TrimRequest\x1a\x1e.scroll.bookie.v1.TrimResponse\x12\x45\n\x04Info\x12\x1d.scroll.bookie.v1.InfoRequest\x1a\x1e.scroll.bookie.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62ookie/proto/bookie.proto\x12\x10scroll.bookie.v1\"/\n\x0c\x46\x65nceRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x03\"x\n\rFenceResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x13\n\x0b\x62ookie_term\x18\x02 \x01(\x03\x12\x0b\n\x03lac\x18\x03 \x01(\x03\x12\x0c\n\x04lafr\x18\x04 \x01(\x03\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"H\n\x13RecoveryReadRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x10\n\x08\x65ntry_id\x18\x02 \x01(\x03\x12\x0c\n\x04term\x18\x03 \x01(\x03\"\xd6\x01\n\x14RecoveryReadResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x13\n\x0b\x62ookie_term\x18\x02 \x01(\x03\x12\x12\n\nentry_term\x18\x03 \x01(\x03\x12\x31\n\x0b\x64igest_type\x18\x04 \x01(\x0e\x32\x1c.scroll.bookie.v1.DigestType\x12\x0e\n\x06\x64igest\x18\x05 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0b\n\x03lac\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"e\n\x0bTrimRequest\x12\x11\n\tledger_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_entry_id\x18\x02 \x01(\x03\x12\x15\n\rlast_entry_id\x18\x03 \x01(\x03\x12\x14\n\x0cwhole_ledger\x18\x04 \x01(\x08\"G\n\x0cTrimResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\xf0\x01\n\x0cInfoResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.scroll.bookie.v1.Status\x12\x11\n\tbookie_id\x18\x02 \x01(\t\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x11\n\tread_only\x18\x05 \x01(\x08\x12\x18\n\x10read_only_reason\x18\x06 \x01(\t\x12\x0f\n\x07ledgers\x18\x07 \x01(\x04\x12\x19\n\x11write_cache_bytes\x18\x08 \x01(\x04\x12\x0f\n\x07version\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\r*\xea\x01\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x10\n\x0cINVALID_TERM\x10\x01\x12\x11\n\rNOT_TRUNCATED\x10\x02\x12\x11\n\rNO_SUCH_ENTRY\x10\x03\x12\x12\n\x0eNO_SUCH_LEDGER\x10\x04\x12\x0b\n\x07\x43ORRUPT\x10\x05\x12\r\n\tREAD_ONLY\x10\x06\x12\r\n\tTOO_LARGE\x10\x07\x12\x0f\n\x0b\x42\x41\x44_REQUEST\x10\x08\x12\x0e\n\nBAD_DIGEST\x10\t\x12\x0c\n\x08TOO_BUSY\x10\n\x12\x11\n\rSHUTTING_DOWN\x10\x0b\x12\x11\n\rSTORAGE_ERROR\x10\x0c\x12\x0c\n\x08INTERNAL\x10\r*,\n\nDigestType\x12\n\n\x06\x43RC32C\x10\x00\x12\x12\n\x0eHMAC_SHA256_16\x10\x01\x32\xbf\x02\n\x06\x42ookie\x12H\n\x05\x46\x65nce\x12\x1e.scroll.bookie.v1.FenceRequest\x1a\x1f.scroll.bookie.v1.FenceResponse\x12]\n\x0cRecoveryRead\x12%.scroll.bookie.v1.RecoveryReadRequest\x1a&.scroll.bookie.v1.RecoveryReadResponse\x12\x45\n\x04Trim\x12\x1d.scroll.bookie.v1.TrimRequest\x1a\x1e.scroll.bookie.v1.TrimResponse\x12\x45\n\x04Info\x12\x1d.scroll.bookie.v1.InfoRequest\x1a\x1e.scroll.bookie.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bookie.proto.bookie_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATUS']._serialized_start=2088
-  _globals['_STATUS']._serialized_end=2322
-  _globals['_DIGESTTYPE']._serialized_start=2324
-  _globals['_DIGESTTYPE']._serialized_end=2368
-  _globals['_ADDBATCH']._serialized_start=48
-  _globals['_ADDBATCH']._serialized_end=271
-  _globals['_ADDBATCHRESULT']._serialized_start=274
-  _globals['_ADDBATCHRESULT']._serialized_end=402
-  _globals['_FENCEREQUEST']._serialized_start=404
-  _globals['_FENCEREQUEST']._serialized_end=451
-  _globals['_FENCERESPONSE']._serialized_start=453
-  _globals['_FENCERESPONSE']._serialized_end=573
-  _globals['_RECOVERYREADREQUEST']._serialized_start=575
-  _globals['_RECOVERYREADREQUEST']._serialized_end=647
-  _globals['_RECOVERYREADRESPONSE']._serialized_start=650
-  _globals['_RECOVERYREADRESPONSE']._serialized_end=864
-  _globals['_READREQUEST']._serialized_start=866
-  _globals['_READREQUEST']._serialized_end=985
-  _globals['_READRESPONSE']._serialized_start=988
-  _globals['_READRESPONSE']._serialized_end=1273
-  _globals['_READLACREQUEST']._serialized_start=1275
-  _globals['_READLACREQUEST']._serialized_end=1349
-  _globals['_READLACRESPONSE']._serialized_start=1352
-  _globals['_READLACRESPONSE']._serialized_end=1493
-  _globals['_WRITELACREQUEST']._serialized_start=1495
-  _globals['_WRITELACREQUEST']._serialized_end=1572
-  _globals['_WRITELACRESPONSE']._serialized_start=1574
-  _globals['_WRITELACRESPONSE']._serialized_end=1670
-  _globals['_TRIMREQUEST']._serialized_start=1672
-  _globals['_TRIMREQUEST']._serialized_end=1773
-  _globals['_TRIMRESPONSE']._serialized_start=1775
-  _globals['_TRIMRESPONSE']._serialized_end=1846
-  _globals['_INFOREQUEST']._serialized_start=1848
-  _globals['_INFOREQUEST']._serialized_end=1861
-  _globals['_INFORESPONSE']._serialized_start=1864
-  _globals['_INFORESPONSE']._serialized_end=2085
-  _globals['_BOOKIE']._serialized_start=2371
-  _globals['_BOOKIE']._serialized_end=2997
+  _globals['_STATUS']._serialized_start=944
+  _globals['_STATUS']._serialized_end=1178
+  _globals['_DIGESTTYPE']._serialized_start=1180
+  _globals['_DIGESTTYPE']._serialized_end=1224
+  _globals['_FENCEREQUEST']._serialized_start=47
+  _globals['_FENCEREQUEST']._serialized_end=94
+  _globals['_FENCERESPONSE']._serialized_start=96
+  _globals['_FENCERESPONSE']._serialized_end=216
+  _globals['_RECOVERYREADREQUEST']._serialized_start=218
+  _globals['_RECOVERYREADREQUEST']._serialized_end=290
+  _globals['_RECOVERYREADRESPONSE']._serialized_start=293
+  _globals['_RECOVERYREADRESPONSE']._serialized_end=507
+  _globals['_TRIMREQUEST']._serialized_start=509
+  _globals['_TRIMREQUEST']._serialized_end=610
+  _globals['_TRIMRESPONSE']._serialized_start=612
+  _globals['_TRIMRESPONSE']._serialized_end=683
+  _globals['_INFOREQUEST']._serialized_start=685
+  _globals['_INFOREQUEST']._serialized_end=698
+  _globals['_INFORESPONSE']._serialized_start=701
+  _globals['_INFORESPONSE']._serialized_end=941
+  _globals['_BOOKIE']._serialized_start=1227
+  _globals['_BOOKIE']._serialized_end=1546
 # @@protoc_insertion_point(module_scope)

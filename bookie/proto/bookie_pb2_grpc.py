@@ -34,11 +34,6 @@ class BookieStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Add = channel.stream_stream(
-                '/scroll.bookie.v1.Bookie/Add',
-                request_serializer=bookie_dot_proto_dot_bookie__pb2.AddBatch.SerializeToString,
-                response_deserializer=bookie_dot_proto_dot_bookie__pb2.AddBatchResult.FromString,
-                _registered_method=True)
         self.Fence = channel.unary_unary(
                 '/scroll.bookie.v1.Bookie/Fence',
                 request_serializer=bookie_dot_proto_dot_bookie__pb2.FenceRequest.SerializeToString,
@@ -48,21 +43,6 @@ class BookieStub:
                 '/scroll.bookie.v1.Bookie/RecoveryRead',
                 request_serializer=bookie_dot_proto_dot_bookie__pb2.RecoveryReadRequest.SerializeToString,
                 response_deserializer=bookie_dot_proto_dot_bookie__pb2.RecoveryReadResponse.FromString,
-                _registered_method=True)
-        self.Read = channel.unary_unary(
-                '/scroll.bookie.v1.Bookie/Read',
-                request_serializer=bookie_dot_proto_dot_bookie__pb2.ReadRequest.SerializeToString,
-                response_deserializer=bookie_dot_proto_dot_bookie__pb2.ReadResponse.FromString,
-                _registered_method=True)
-        self.ReadLac = channel.unary_unary(
-                '/scroll.bookie.v1.Bookie/ReadLac',
-                request_serializer=bookie_dot_proto_dot_bookie__pb2.ReadLacRequest.SerializeToString,
-                response_deserializer=bookie_dot_proto_dot_bookie__pb2.ReadLacResponse.FromString,
-                _registered_method=True)
-        self.WriteLac = channel.unary_unary(
-                '/scroll.bookie.v1.Bookie/WriteLac',
-                request_serializer=bookie_dot_proto_dot_bookie__pb2.WriteLacRequest.SerializeToString,
-                response_deserializer=bookie_dot_proto_dot_bookie__pb2.WriteLacResponse.FromString,
                 _registered_method=True)
         self.Trim = channel.unary_unary(
                 '/scroll.bookie.v1.Bookie/Trim',
@@ -79,12 +59,6 @@ class BookieStub:
 class BookieServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Add(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Fence(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -92,24 +66,6 @@ class BookieServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RecoveryRead(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Read(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReadLac(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WriteLac(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,11 +86,6 @@ class BookieServicer:
 
 def add_BookieServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Add': grpc.stream_stream_rpc_method_handler(
-                    servicer.Add,
-                    request_deserializer=bookie_dot_proto_dot_bookie__pb2.AddBatch.FromString,
-                    response_serializer=bookie_dot_proto_dot_bookie__pb2.AddBatchResult.SerializeToString,
-            ),
             'Fence': grpc.unary_unary_rpc_method_handler(
                     servicer.Fence,
                     request_deserializer=bookie_dot_proto_dot_bookie__pb2.FenceRequest.FromString,
@@ -144,21 +95,6 @@ def add_BookieServicer_to_server(servicer, server):
                     servicer.RecoveryRead,
                     request_deserializer=bookie_dot_proto_dot_bookie__pb2.RecoveryReadRequest.FromString,
                     response_serializer=bookie_dot_proto_dot_bookie__pb2.RecoveryReadResponse.SerializeToString,
-            ),
-            'Read': grpc.unary_unary_rpc_method_handler(
-                    servicer.Read,
-                    request_deserializer=bookie_dot_proto_dot_bookie__pb2.ReadRequest.FromString,
-                    response_serializer=bookie_dot_proto_dot_bookie__pb2.ReadResponse.SerializeToString,
-            ),
-            'ReadLac': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReadLac,
-                    request_deserializer=bookie_dot_proto_dot_bookie__pb2.ReadLacRequest.FromString,
-                    response_serializer=bookie_dot_proto_dot_bookie__pb2.ReadLacResponse.SerializeToString,
-            ),
-            'WriteLac': grpc.unary_unary_rpc_method_handler(
-                    servicer.WriteLac,
-                    request_deserializer=bookie_dot_proto_dot_bookie__pb2.WriteLacRequest.FromString,
-                    response_serializer=bookie_dot_proto_dot_bookie__pb2.WriteLacResponse.SerializeToString,
             ),
             'Trim': grpc.unary_unary_rpc_method_handler(
                     servicer.Trim,
@@ -180,33 +116,6 @@ def add_BookieServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Bookie:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Add(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/scroll.bookie.v1.Bookie/Add',
-            bookie_dot_proto_dot_bookie__pb2.AddBatch.SerializeToString,
-            bookie_dot_proto_dot_bookie__pb2.AddBatchResult.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Fence(request,
@@ -252,87 +161,6 @@ class Bookie:
             '/scroll.bookie.v1.Bookie/RecoveryRead',
             bookie_dot_proto_dot_bookie__pb2.RecoveryReadRequest.SerializeToString,
             bookie_dot_proto_dot_bookie__pb2.RecoveryReadResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Read(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/scroll.bookie.v1.Bookie/Read',
-            bookie_dot_proto_dot_bookie__pb2.ReadRequest.SerializeToString,
-            bookie_dot_proto_dot_bookie__pb2.ReadResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReadLac(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/scroll.bookie.v1.Bookie/ReadLac',
-            bookie_dot_proto_dot_bookie__pb2.ReadLacRequest.SerializeToString,
-            bookie_dot_proto_dot_bookie__pb2.ReadLacResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WriteLac(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/scroll.bookie.v1.Bookie/WriteLac',
-            bookie_dot_proto_dot_bookie__pb2.WriteLacRequest.SerializeToString,
-            bookie_dot_proto_dot_bookie__pb2.WriteLacResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,7 @@ from pathlib import Path
 from bookie.config import BookieConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-READY_RE = re.compile(r"bookie ready id=(\S+) address=(\S+)")
+READY_RE = re.compile(r"bookie ready id=(\S+) address=(\S+).* data_port=(\d+)")
 # the `scroll` entry point of this interpreter's environment (.venv/bin/scroll)
 _SCRIPT = Path(sys.executable).with_name("scroll")
 SCROLL = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from streams.tools.cli import main; main()"]
@@ -61,6 +61,7 @@ class BookieProcess:
         self.address = ""
         self.bookie_id = ""
         self.port = 0
+        self.data_port = 0
         self.stderr_lines: list[str] = []
         self.stdout_lines: list[str] = []
 
@@ -78,7 +79,7 @@ class BookieProcess:
                 self.stdout_lines.append(line.rstrip("\n"))
                 m = READY_RE.search(line)
                 if m:
-                    self.bookie_id, self.address = m.group(1), m.group(2)
+                    self.bookie_id, self.address, self.data_port = m.group(1), m.group(2), int(m.group(3))
                     ready.set()
             ready.set()  # EOF: the process died
 

@@ -4,7 +4,6 @@ bad input on the real port (each a clear error; the bookie keeps serving and los
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import signal
 import socket
@@ -14,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bookie import digest
+from bookie import digest, wire
 from bookie.client import UNAVAILABLE, BookieClient
 from bookie.errors import NoSuchLedgerError, Status
 from bookie.proto import bookie_pb2 as pb
@@ -109,18 +108,69 @@ def raw_grpc(address: str, method: str, payload: bytes, streaming: bool) -> grpc
     return run(call())
 
 
+def data_frames(port: int, payload: bytes, expect: int = 1, half_close: bool = False) -> list[tuple[int, int, memoryview]] | None:
+    """Send raw bytes to the data port (``half_close``: then end the sending side); the answer
+    frames (up to ``expect``), or None when the bookie closed the connection without answering."""
+    reader = wire.FrameReader()
+    frames: list = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(payload)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        while len(frames) < expect:
+            chunk = s.recv(65536)
+            if not chunk:
+                return frames or None
+            frames.extend(reader.feed(chunk))
+    return frames
+
+
+def add_frame(rid: int, adds: list[tuple]) -> bytes:
+    """An ADD frame from (ledger, entry, term, digest, data) tuples."""
+    cols = ([a[0] for a in adds], [a[1] for a in adds], [a[2] for a in adds], [0] * len(adds), [0] * len(adds),
+            [False] * len(adds), [False] * len(adds), [0] * len(adds), [a[3] for a in adds], [a[4] for a in adds])
+    return b"".join(wire.encode_add(rid, cols, False))
+
+
 def test_bad_input_gets_clear_errors_and_loses_nothing(bookie_process) -> None:
     bp = bookie_process(overrides={"max_entry_bytes": 4096, "verify_digest_on_add": "true"}).start()
     written = run(write_some(bp.address, 1, 200, term=2))
 
-    # garbage and truncated traffic straight to the port
+    # garbage and truncated traffic straight to the gRPC port
     raw_bytes(bp.port, b"\x00\xff garbage \x13\x37" * 100)
     raw_bytes(bp.port, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x12\x04\x00\x00\x00\x00")  # frame cut short
     raw_bytes(bp.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert raw_grpc(bp.address, "/scroll.bookie.v1.Bookie/Add", b"\xff\xff\xff\xff\x0f", True) != grpc.StatusCode.OK
-    valid = pb.ReadRequest(ledger_id=1, first_entry_id=0).SerializeToString()
-    assert raw_grpc(bp.address, "/scroll.bookie.v1.Bookie/Read", valid[:-1] + b"\xff", False) != grpc.StatusCode.OK
-    assert raw_grpc(bp.address, "/scroll.bookie.v1.Bookie/Nope", b"", False) == grpc.StatusCode.UNIMPLEMENTED
+    valid = pb.FenceRequest(ledger_id=1, term=2).SerializeToString()
+    assert raw_grpc(bp.address, "/scroll.bookie.v1.Bookie/Fence", valid[:-1] + b"\xff\xff", False) != grpc.StatusCode.OK
+    assert raw_grpc(bp.address, "/scroll.bookie.v1.Bookie/Add", b"", False) == grpc.StatusCode.UNIMPLEMENTED
+
+    # ... and to the data port: a frame that cannot be parsed gets ERROR and the connection closes
+    dp = bp.data_port
+    for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a length far over the frame limit
+                 wire.FRAME.pack(2, wire.ADD, 1),  # a length below the header's
+                 wire.frame_head(99, 7, 0),  # an unknown op
+                 wire.frame_head(wire.READ, 8, 3) + b"abc",  # a read body of the wrong size
+                 # an add whose payload runs past the frame
+                 wire.frame_head(wire.ADD, 9, wire.COUNT.size + wire.ADD_HEAD.size) + wire.COUNT.pack(1)
+                 + wire.ADD_HEAD.pack(1, 201, 2, 0, 0, 0, 0, 4, 100)):
+        answer = data_frames(dp, junk)
+        assert answer is None or (answer[0][0] == wire.ERROR and wire.decode_error(answer[0][2])[0] == Status.BAD_REQUEST)
+    # a frame cut short and a silent close: nothing to answer, nothing applied
+    assert data_frames(dp, add_frame(3, [(1, 202, 2, digest.crc32c_digest(1, 202, b"x"), b"x")])[:-1], half_close=True) is None
+
+    # bad requests inside well-formed frames are answered one by one; the connection stays
+    ok = digest.crc32c_digest(1, 200, b"ok")
+    frames = data_frames(dp, add_frame(10, [(1, 5, -5, b"1234", b"a")])  # a negative term
+                         + add_frame(11, [(1, 202, 2, b"\0\0\0\0", b"a")])  # a bad digest
+                         + add_frame(12, [(1, 200, 2, ok, b"ok"), (1, 201, 2, b"", b"x" * 10_000)])  # oversized entry
+                         + add_frame(13, [(1, 500, 1, digest.crc32c_digest(1, 500, b"s"), b"s")])  # a stale term
+                         + wire.encode_read(14, 424242, 0, 0, 0, 0, 0), expect=5)
+    answers = {rid: (op, body) for op, rid, body in frames}
+    assert wire.decode_add_answer(answers[10][1])[1] == [Status.BAD_REQUEST]
+    assert wire.decode_add_answer(answers[11][1])[1] == [Status.BAD_DIGEST]
+    assert wire.decode_add_answer(answers[12][1])[1] == [Status.OK, Status.TOO_LARGE]
+    assert wire.decode_add_answer(answers[13][1])[1:3] == ([Status.INVALID_TERM], [2])
+    assert wire.decode_read_answer(answers[14][1])[0] == Status.NO_SUCH_LEDGER
 
     async def protocol_abuse() -> None:
         async with BookieClient(bp.address, max_entry_bytes=1 << 30) as c:
@@ -134,29 +184,6 @@ def test_bad_input_gets_clear_errors_and_loses_nothing(bookie_process) -> None:
             # a submission over the batch limits is split by the client; each oversized entry is refused
             huge = await c.submit([AddRequest(1, 300 + i, 2, 0, 0, b"h" * 4000) for i in range(5000)])
             assert set(huge.statuses) == {Status.TOO_LARGE}
-            # a raw message over the gRPC limit: that stream breaks, nothing else does
-            raw = c._stub.Add()
-            n = 5000
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await raw.write(pb.AddBatch(batch_id=1, ledger_id=[1] * n, entry_id=list(range(300, 300 + n)),
-                                            term=[2] * n, lac=[0] * n, lafr=[0] * n, digest=[b"1234"] * n,
-                                            data=[b"h" * 4000] * n))
-                await raw.done_writing()
-            with pytest.raises(grpc.aio.AioRpcError):
-                async for _ in raw:
-                    pass
-            # malformed batches: columns of different lengths, negative ids, bad digests
-            stub_stream = c._stub.Add()
-            await stub_stream.write(pb.AddBatch(batch_id=9, ledger_id=[1, 1], entry_id=[1], term=[2], lac=[0], lafr=[0],
-                                                digest=[b"1234"], data=[b"a"]))
-            bad_ids = pb.AddBatch(batch_id=10, ledger_id=[1], entry_id=[-5], term=[2], lac=[0], lafr=[0],
-                                  digest=[digest.crc32c_digest(1, 0, b"a")], data=[b"a"])
-            await stub_stream.write(bad_ids)
-            await stub_stream.write(pb.AddBatch(batch_id=11, ledger_id=[1], entry_id=[202], term=[2], lac=[0], lafr=[0],
-                                                digest=[b"\0\0\0\0"], data=[b"a"]))
-            await stub_stream.done_writing()
-            answers = {r.batch_id: list(r.status) async for r in stub_stream}
-            assert answers == {9: [Status.BAD_REQUEST, Status.BAD_REQUEST], 10: [Status.BAD_REQUEST], 11: [Status.BAD_DIGEST]}
             # reads of unknown ledgers and entries
             with pytest.raises(NoSuchLedgerError):
                 await c.read(424242, 0)

@@ -163,13 +163,13 @@ def test_client_sends_a_lone_add_at_once_and_gathers_while_busy(tmp_path: Path) 
     async def scenario() -> None:
         async with serving(tmp_path) as (_server, c):
             c.max_inflight_batches = 1
+            conn = await c._ready_connection()
             first = c.submit([AddRequest(1, 0, 1, -1, -1, b"noop", truncate=True)])
-            stream = c._stream
-            await asyncio.sleep(0)  # let the sender run
-            assert stream.next_id == 2  # sent alone, immediately
+            assert conn.next_rid == 2 and len(conn.adds) == 1  # sent alone, immediately
             later = [c.submit(entries(1, [i], 1)) for i in range(1, 201)]  # gathered while in flight
+            assert len(conn.adds) == 1 and len(conn.open) == 1
             assert all(r.all_ok for r in await asyncio.gather(first, *later))
-            assert stream.next_id - 1 <= 4  # 201 adds in a handful of messages
+            assert conn.next_rid - 1 <= 4  # 201 adds in a handful of frames
 
     run(scenario())
 

@@ -1,0 +1,391 @@
+"""The bookie's data plane: adds, reads and LACs over the binary frames of ``bookie.wire``.
+
+How this works. One asyncio ``Protocol`` per client connection, on the event loop that runs the
+engine. ``data_received`` splits frames and handles each one at once, without a task or a queue:
+an add is decided, applied and journaled synchronously (``engine.add_batch``; nothing awaits
+between the term check and the journal append) and its answer leaves from a callback on the
+journal's group-commit future, the moment the fsync returns. Reads are served synchronously from
+the caches; only a part that needs the disk continues in a task (the read threads). A long-poll
+read or LAC read parks a callback on the engine's LAC waiters plus one timer.
+
+Limits: while the write cache is full, or a connection has ``max_inflight_batches_per_stream``
+adds awaiting their fsync, or its answers are not being read (transport write buffer over the high
+mark), the connection stops reading; frames already received wait in order. A frame that does not
+parse is answered with ERROR and the connection is closed; a bad request inside a well-formed
+frame (negative ids, a bad digest, an unknown ledger) gets its status in the answer and nothing
+else changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import struct
+
+from terms.bookie_rules import Reject
+
+from . import wire
+from .errors import BookieError, Status
+from .storage import Engine
+
+log = logging.getLogger(__name__)
+
+
+def _status_of(exc: BaseException) -> tuple[int, str]:
+    if isinstance(exc, BookieError):
+        return int(exc.status), exc.message or type(exc).__name__
+    log.exception("unexpected error while serving a request", exc_info=exc)
+    return int(Status.INTERNAL), f"internal error: {type(exc).__name__}"
+
+
+class DataServer:
+    """Listens for data-plane connections; ``inflight`` counts adds awaiting their fsync."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = wire.MAX_FRAME_BYTES_DEFAULT) -> None:
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self.max_frame_bytes = max_frame_bytes
+        self.inflight = 0
+        self.connections: set[DataConnection] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: DataConnection(self), self.host, self.port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def gauge(self, delta: int) -> None:
+        self.inflight += delta
+        self.engine.metrics.queue_depth.set(self.inflight)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop accepting; let answers owed to clients go out (up to ``grace_s``); close."""
+        if self._server is None:
+            return
+        self._server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        for c in list(self.connections):
+            c.pause()
+        while self.inflight > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for c in list(self.connections):
+            c.close()
+        await self._server.wait_closed()
+
+
+class DataConnection(asyncio.Protocol):
+    def __init__(self, server: DataServer) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.reader = wire.FrameReader(server.max_frame_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.backlog: collections.deque = collections.deque()  # frames received but held back
+        self.inflight = 0  # adds awaiting their fsync on this connection
+        self.write_paused = False
+        self.read_paused = False
+        self.space_task: asyncio.Task | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self.waits: set = set()  # (ledger id, future, timer) of parked long polls
+
+    # ---------------------------------------------------------------- transport events
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        for lid, fut, timer in list(self.waits):
+            timer.cancel()
+            self.engine.forget_lac_waiter(lid, fut)
+        self.waits.clear()
+        for t in list(self.tasks):
+            t.cancel()
+        if self.space_task is not None:
+            self.space_task.cancel()
+        self.backlog.clear()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._update_reading()
+        self._drain_backlog()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except wire.FrameError as exc:
+            self._broken(0, str(exc))
+            return
+        if self.backlog or self._held():
+            self.backlog.extend(frames)
+            self._update_reading()
+            return
+        for i, (op, rid, body) in enumerate(frames):
+            if self.closed:
+                return
+            if op == wire.ADD and self._held():
+                self.backlog.extend(frames[i:])
+                self._update_reading()
+                return
+            self._handle(op, rid, body)
+
+    # ---------------------------------------------------------------- flow control
+    def _held(self) -> bool:
+        """Whether adds must wait: write cache full, too many adds in flight, answers unread."""
+        e = self.engine
+        if self.write_paused or self.inflight >= e.config.max_inflight_batches_per_stream:
+            return True
+        if e.write_cache.bytes >= e.config.write_cache_bytes and e.read_only_reason is None and not e._closing:
+            if self.space_task is None:
+                self.space_task = asyncio.get_running_loop().create_task(self._wait_space())
+            return True
+        return False
+
+    async def _wait_space(self) -> None:
+        try:
+            await self.engine.wait_for_space()
+        finally:
+            self.space_task = None
+        self._drain_backlog()
+
+    def _drain_backlog(self) -> None:
+        while self.backlog and not self.closed:
+            op = self.backlog[0][0]
+            if op == wire.ADD and self._held():
+                break
+            op, rid, body = self.backlog.popleft()
+            self._handle(op, rid, body)
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        if self.closed or self.transport is None:
+            return
+        want_pause = bool(self.backlog) or self.write_paused
+        if want_pause and not self.read_paused:
+            self.transport.pause_reading()
+            self.read_paused = True
+        elif not want_pause and self.read_paused:
+            self.transport.resume_reading()
+            self.read_paused = False
+
+    def pause(self) -> None:
+        """Shutdown: take no more frames."""
+        if not self.closed and self.transport is not None and not self.read_paused:
+            self.transport.pause_reading()
+            self.read_paused = True
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    def _send(self, frame) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return
+        if isinstance(frame, list):
+            self.transport.writelines(frame)
+        else:
+            self.transport.write(frame)
+
+    def _broken(self, rid: int, reason: str) -> None:
+        log.warning("data connection %s: malformed frame (%s): closing it", self._peer(), reason)
+        self._send(wire.encode_error(rid, Status.BAD_REQUEST, f"malformed frame: {reason}"))
+        self.close()
+
+    def _peer(self) -> str:
+        try:
+            return str(self.transport.get_extra_info("peername"))
+        except Exception:  # noqa: BLE001 - only for a log line
+            return "?"
+
+    # ---------------------------------------------------------------- dispatch
+    def _handle(self, op: int, rid: int, body: memoryview) -> None:
+        try:
+            if op == wire.ADD:
+                self._add(rid, body)
+            elif op == wire.READ:
+                self._read(rid, *wire.READ_REQ.unpack(body))
+            elif op == wire.READ_LAC:
+                self._read_lac(rid, *wire.READ_LAC_REQ.unpack(body))
+            elif op == wire.WRITE_LAC:
+                self._write_lac(rid, *wire.WRITE_LAC_REQ.unpack(body))
+            else:
+                self._broken(rid, f"unknown op {op}")
+        except (wire.FrameError, struct.error) as exc:  # a body that does not parse
+            self._broken(rid, f"op {op}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a refused request (too busy, ...) or our bug
+            code, message = _status_of(exc)
+            self._send(wire.encode_error(rid, code, message))
+
+    # ---------------------------------------------------------------- adds
+    def _add(self, rid: int, body: memoryview) -> None:
+        cols = wire.decode_add(body)
+        n = len(cols[0])
+        try:
+            outcome = self.engine.add_batch(*cols)
+        except Exception as exc:  # noqa: BLE001 - a bad batch is answered, not fatal
+            code, message = _status_of(exc)
+            self._send(wire.encode_add_answer(rid, n, [code] * n, [-1] * n, message))
+            return
+        committer = self.engine.committer
+        fut = committer.wait_synced(outcome.seq) if outcome.seq > 0 and committer is not None else None
+        if fut is None:
+            self._send(wire.encode_add_answer(rid, n, outcome.statuses, outcome.bookie_terms))
+            return
+        self.inflight += 1
+        self.server.gauge(1)
+        fut.add_done_callback(lambda f: self._added(rid, n, outcome, f))
+
+    def _added(self, rid: int, n: int, outcome, fut: asyncio.Future) -> None:
+        self.inflight -= 1
+        self.server.gauge(-1)
+        exc = fut.exception() if not fut.cancelled() else BookieError("cancelled")
+        if exc is None:
+            self._send(wire.encode_add_answer(rid, n, outcome.statuses, outcome.bookie_terms))
+        else:
+            code, message = _status_of(exc)
+            statuses = outcome.statuses or [0] * n
+            # rejected adds keep their answer; the accepted ones were not made durable
+            failed = [s if s else code for s in statuses]
+            self._send(wire.encode_add_answer(rid, n, failed, outcome.bookie_terms or [-1] * n, message))
+        if self.backlog:
+            self._drain_backlog()
+
+    # ---------------------------------------------------------------- reads
+    def _read(self, rid: int, lid: int, first: int, last: int, max_entries: int, max_bytes: int, wait_ms: int) -> None:
+        if wait_ms > 0:
+            st = self.engine.state(lid)
+            if st is None or st.lac < first:
+                self._park(lid, first - 1, wait_ms, lambda timed_out: self._read_now(rid, lid, first, last, max_entries, max_bytes, True, timed_out))
+                return
+            self._read_now(rid, lid, first, last, max_entries, max_bytes, True, False)
+            return
+        self._read_now(rid, lid, first, last, max_entries, max_bytes, False, False)
+
+    def _park(self, lid: int, after: int, wait_ms: int, then) -> None:
+        """Call ``then(timed_out)`` once the LAC passes ``after`` or ``wait_ms`` passed."""
+        e = self.engine
+        fut = e.lac_waiter(lid, after)  # raises TooBusyError at the waiter limit
+        if fut is None:
+            then(False)
+            return
+        loop = asyncio.get_running_loop()
+        timeout = min(wait_ms / 1000.0, e.config.long_poll_max_s)
+        item: list = []
+
+        def fire(timed_out: bool) -> None:
+            if not item or item[0] not in self.waits:
+                return
+            self.waits.discard(item[0])
+            item[0][2].cancel()
+            e.forget_lac_waiter(lid, fut)
+            if not self.closed:
+                then(timed_out)
+
+        timer = loop.call_later(timeout, fire, True)
+        item.append((lid, fut, timer))
+        self.waits.add(item[0])
+        fut.add_done_callback(lambda _f: fire(False))
+
+    def _read_now(self, rid: int, lid: int, first: int, last: int, max_entries: int, max_bytes: int,
+                  long_poll: bool, timed_out: bool) -> None:
+        e = self.engine
+        st = e.state(lid)
+        if long_poll:
+            if st is None:
+                self._send(wire.encode_read_answer(rid, Status.NO_SUCH_LEDGER, -1, -1, Status.NO_SUCH_LEDGER, -1,
+                                                   timed_out, (), f"ledger {lid} is not on this bookie"))
+                return
+            if st.lac < first:  # timed out: the LAC (and term) tell the reader what is known
+                self._send(wire.encode_read_answer(rid, Status.OK, st.lac, st.lafr, Status.NO_SUCH_ENTRY, st.term, True, ()))
+                return
+            last = min(last, st.lac)
+        try:
+            steps = e.range_steps(lid, first, last, max_entries, max_bytes)
+            args = next(steps)
+        except StopIteration as done:
+            self._answer_read(rid, lid, done.value)
+            return
+        except Exception as exc:  # noqa: BLE001 - answered with its status
+            code, message = _status_of(exc)
+            self._send(wire.encode_read_answer(rid, code, -1, -1, code, -1, False, (), message))
+            return
+        t = asyncio.get_running_loop().create_task(self._read_disk(rid, lid, steps, args))
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    async def _read_disk(self, rid: int, lid: int, steps, args) -> None:
+        e = self.engine
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    found = await loop.run_in_executor(e._read_pool, e.read_disk, *args)
+                except BaseException as exc:  # cancelled, or the disk failed: unpin on the way out
+                    steps.throw(exc)
+                    raise
+                args = steps.send(found)
+        except StopIteration as done:
+            self._answer_read(rid, lid, done.value)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered with its status
+            code, message = _status_of(exc)
+            self._send(wire.encode_read_answer(rid, code, -1, -1, code, -1, False, (), message))
+
+    def _answer_read(self, rid: int, lid: int, res) -> None:
+        st = self.engine.state(lid)
+        term = st.term if st is not None else -1
+        status = Status.OK if res.entries else res.stop
+        self._send(wire.encode_read_answer(rid, status, res.lac, res.lafr, res.stop, term, False, res.entries))
+
+    # ---------------------------------------------------------------- LACs
+    def _read_lac(self, rid: int, lid: int, after: int, timeout_ms: int) -> None:
+        if timeout_ms > 0:
+            self._park(lid, after, timeout_ms, lambda timed_out: self._answer_lac(rid, lid, after, timed_out))
+        else:
+            self._answer_lac(rid, lid, after, False)
+
+    def _answer_lac(self, rid: int, lid: int, after: int, timed_out: bool) -> None:
+        st = self.engine.state(lid)
+        if st is None:
+            self._send(wire.encode_read_lac_answer(rid, Status.NO_SUCH_LEDGER, -1, -1, -1, timed_out,
+                                                   f"ledger {lid} is not on this bookie"))
+            return
+        self._send(wire.encode_read_lac_answer(rid, Status.OK, st.lac, st.lafr, st.term, timed_out or st.lac <= after))
+
+    def _write_lac(self, rid: int, lid: int, term: int, lac: int, lafr: int) -> None:
+        e = self.engine
+        try:
+            decision, seq = e.write_lac(lid, term, lac, lafr)
+        except Exception as exc:  # noqa: BLE001 - answered with its status
+            code, message = _status_of(exc)
+            self._send(wire.encode_write_lac_answer(rid, code, getattr(exc, "bookie_term", -1), message))
+            return
+        if isinstance(decision, Reject):
+            code = Status.NOT_TRUNCATED if decision.not_truncated else Status.INVALID_TERM
+            self._send(wire.encode_write_lac_answer(rid, code, decision.bookie_term))
+            return
+        term_now = decision.state.term
+        committer = e.committer
+        fut = committer.wait_synced(seq) if seq > 0 and committer is not None else None
+        if fut is None:
+            self._send(wire.encode_write_lac_answer(rid, Status.OK, term_now))
+            return
+
+        def done(f: asyncio.Future) -> None:
+            exc = f.exception() if not f.cancelled() else BookieError("cancelled")
+            if exc is None:
+                self._send(wire.encode_write_lac_answer(rid, Status.OK, term_now))
+            else:
+                code, message = _status_of(exc)
+                self._send(wire.encode_write_lac_answer(rid, code, -1, message))
+
+        fut.add_done_callback(done)
