@@ -651,23 +651,28 @@ class BookieClient:
     # ---------------------------------------------------------------- reads, trims, info
 
     async def read(self, ledger_id: int, first: int, last: int | None = None, *, max_entries: int = 0,
-                   max_bytes: int = 0, wait_s: float = 0.0) -> ReadResult:
+                   max_bytes: int = 0) -> ReadResult:
         """Entries first..last (contiguous prefix, bounded by the limits) and the bookie's LAC.
         Raises NoSuchLedgerError, NoSuchEntryError (first id absent), CorruptEntryError (first
-        id corrupt), or another BookieError.
+        id corrupt), or another BookieError."""
+        return await self._read(ledger_id, first, first if last is None else last, max_entries, max_bytes, 0, 0.0)
 
-        With ``wait_s`` > 0 this is a long-poll "read LAC and entries": the bookie answers once its
-        LAC reaches ``first`` (or after ``wait_s``) with the entries up to its LAC; nothing new
-        in time gives a result with no entries and ``timed_out`` set instead of an error."""
-        last = first if last is None else last
-        wait_ms = int(wait_s * 1000) if wait_s > 0 else 0
+    async def read_tail(self, ledger_id: int, first: int, last: int, *, wait_s: float = 0.0, max_entries: int = 0,
+                        max_bytes: int = 0) -> ReadResult:
+        """A long-poll "read LAC and entries": once the bookie's LAC reaches ``first`` (waiting up
+        to ``wait_s``), the entries it holds from ``first`` up to ``last`` and its LAC, which bounds
+        them. No new entry in time gives no entries and ``timed_out``; an entry this bookie does not
+        hold gives no entries (with the LAC). Raises NoSuchLedgerError or another BookieError."""
+        wait_ms = max(1, int(wait_s * 1000)) if wait_s > 0 else -1
+        return await self._read(ledger_id, first, last, max_entries, max_bytes, wait_ms, max(wait_s, 0.0))
+
+    async def _read(self, ledger_id: int, first: int, last: int, max_entries: int, max_bytes: int, wait_ms: int,
+                    wait_s: float) -> ReadResult:
         body = await self._call(
             wire.READ, lambda rid: wire.encode_read(rid, ledger_id, first, last, max_entries, max_bytes, wait_ms),
             ledger_id, extra_s=wait_s,
         )
         status, lac, lafr, stop, term, timed_out, raw, error = wire.decode_read_answer(body)
-        if wait_ms and status == Status.OK and not raw:
-            return ReadResult(lac, lafr, [], Status(stop), term, timed_out=True)
         if status != Status.OK:
             raise error_for(status, error or f"read ledger {ledger_id} entry {first}")
         entries, stop = [], Status(stop)
@@ -676,9 +681,9 @@ class BookieClient:
                 stop = Status.CORRUPT
                 break
             entries.append(Entry(eid, eterm, data, dtype, dig))
-        if not entries:
+        if not entries and not wait_ms:
             raise CorruptEntryError(f"ledger {ledger_id} entry {first}: digest mismatch")
-        return ReadResult(lac, lafr, entries, stop, term)
+        return ReadResult(lac, lafr, entries, stop, term, timed_out=timed_out)
 
     async def read_lac(self, ledger_id: int, after_lac: int = -1, timeout_s: float = 0.0) -> LacResult:
         """The ledger's LAC; with a timeout, waits until it is > after_lac (long poll)."""

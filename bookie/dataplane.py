@@ -260,14 +260,16 @@ class DataConnection(asyncio.Protocol):
 
     # ---------------------------------------------------------------- reads
     def _read(self, rid: int, lid: int, first: int, last: int, max_entries: int, max_bytes: int, wait_ms: int) -> None:
-        if wait_ms > 0:
-            st = self.engine.state(lid)
-            if st is None or st.lac < first:
-                self._park(lid, first - 1, wait_ms, lambda timed_out: self._read_now(rid, lid, first, last, max_entries, max_bytes, True, timed_out))
-                return
-            self._read_now(rid, lid, first, last, max_entries, max_bytes, True, False)
+        """``wait_ms`` 0: a plain range read; otherwise a tail read, capped at the LAC, which
+        first waits up to ``wait_ms`` (> 0) for the LAC to reach ``first`` (-1: no wait)."""
+        if wait_ms == 0:
+            self._read_now(rid, lid, first, last, max_entries, max_bytes, False, False)
             return
-        self._read_now(rid, lid, first, last, max_entries, max_bytes, False, False)
+        st = self.engine.state(lid)
+        if wait_ms > 0 and (st is None or st.lac < first):
+            self._park(lid, first - 1, wait_ms, lambda timed_out: self._read_now(rid, lid, first, last, max_entries, max_bytes, True, timed_out))
+            return
+        self._read_now(rid, lid, first, last, max_entries, max_bytes, True, False)
 
     def _park(self, lid: int, after: int, wait_ms: int, then) -> None:
         """Call ``then(timed_out)`` once the LAC passes ``after`` or ``wait_ms`` passed."""
@@ -303,25 +305,27 @@ class DataConnection(asyncio.Protocol):
                 self._send(wire.encode_read_answer(rid, Status.NO_SUCH_LEDGER, -1, -1, Status.NO_SUCH_LEDGER, -1,
                                                    timed_out, (), f"ledger {lid} is not on this bookie"))
                 return
-            if st.lac < first:  # timed out: the LAC (and term) tell the reader what is known
+            if st.lac < first:  # nothing new (in time): the LAC and term tell the reader what is known
                 self._send(wire.encode_read_answer(rid, Status.OK, st.lac, st.lafr, Status.NO_SUCH_ENTRY, st.term, True, ()))
                 return
             last = min(last, st.lac)
+            # a tail read answers the entries it has (OK, maybe none) with the LAC, never an error
+            # for an entry this bookie does not hold (a striped fragment, or a member that joined later)
         try:
             steps = e.range_steps(lid, first, last, max_entries, max_bytes)
             args = next(steps)
         except StopIteration as done:
-            self._answer_read(rid, lid, done.value)
+            self._answer_read(rid, lid, done.value, long_poll)
             return
         except Exception as exc:  # noqa: BLE001 - answered with its status
             code, message = _status_of(exc)
             self._send(wire.encode_read_answer(rid, code, -1, -1, code, -1, False, (), message))
             return
-        t = asyncio.get_running_loop().create_task(self._read_disk(rid, lid, steps, args))
+        t = asyncio.get_running_loop().create_task(self._read_disk(rid, lid, steps, args, long_poll))
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
-    async def _read_disk(self, rid: int, lid: int, steps, args) -> None:
+    async def _read_disk(self, rid: int, lid: int, steps, args, tail: bool) -> None:
         e = self.engine
         loop = asyncio.get_running_loop()
         try:
@@ -333,17 +337,17 @@ class DataConnection(asyncio.Protocol):
                     raise
                 args = steps.send(found)
         except StopIteration as done:
-            self._answer_read(rid, lid, done.value)
+            self._answer_read(rid, lid, done.value, tail)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - answered with its status
             code, message = _status_of(exc)
             self._send(wire.encode_read_answer(rid, code, -1, -1, code, -1, False, (), message))
 
-    def _answer_read(self, rid: int, lid: int, res) -> None:
+    def _answer_read(self, rid: int, lid: int, res, tail: bool = False) -> None:
         st = self.engine.state(lid)
         term = st.term if st is not None else -1
-        status = Status.OK if res.entries else res.stop
+        status = Status.OK if res.entries or tail else res.stop
         self._send(wire.encode_read_answer(rid, status, res.lac, res.lafr, res.stop, term, False, res.entries))
 
     # ---------------------------------------------------------------- LACs

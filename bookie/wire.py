@@ -15,9 +15,11 @@ slices of the received frame.
 Requests:
 - ADD: ``u32 n`` then n times ``ADD_HEAD`` (ledger, entry, term, lac, lafr, flags, digest type,
   digest length, data length) followed by the digest and the data.
-- READ: ledger, first, last, max entries, max bytes, wait ms. With ``wait ms`` > 0 it is a
-  long-poll "read LAC and entries": when the bookie's LAC is below ``first`` it waits (at most
-  that long) until the LAC reaches ``first``, then answers the entries up to its LAC.
+- READ: ledger, first, last, max entries, max bytes, wait ms. ``wait ms`` 0 is a plain range
+  read. Otherwise it is a *tail read*, capped at the bookie's LAC: with ``wait ms`` > 0 a
+  long-poll "read LAC and entries" (when the LAC is below ``first`` the bookie waits, at most that
+  long, until it reaches ``first``), with -1 no wait. A tail read answers OK with the entries it
+  holds up to the LAC (maybe none) and the LAC, never NO_SUCH_ENTRY.
 - READ_LAC: ledger, after LAC, timeout ms (long poll: answered once the LAC passes ``after``).
 - WRITE_LAC: ledger, term, LAC, LAFR.
 Answers carry a status (``bookie.errors.Status``) and an error text. A frame that cannot be parsed

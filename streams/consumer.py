@@ -3,8 +3,9 @@
 How this works. Entries are record batches (``streams/batches.py``); the consumer keeps its
 **position** (the offset of the next record it returns), the entry it reads next, and the highest
 LAC it has learnt (every read answer carries the bookie's LAC). When it has caught up it sends a
-long-poll LAC read to a bookie of the last fragment, which answers as soon as the LAC passes the
-entry — a tailing consumer is woken by the write, not by a timer. Entries are read in ranges from
+*tail read* to a bookie of the last fragment: a long poll that answers, as soon as the LAC passes
+the position, with the LAC and the entries up to it in one round trip (BookKeeper's "read LAC and
+entry") — a tailing consumer is woken by the write, not by a timer. Entries are read in ranges from
 one member of the write set (``terms.reader.read_order``), failing over to the next member on an
 error, a missing entry or a corrupt copy, and sending a speculative second read when the first is
 slow. Copies older than the fragment (leftovers of an earlier term) are never served; no-op entries
@@ -249,14 +250,18 @@ class Consumer:
                     self.position = max(self.position, self._read_end)
                 continue
             if self.entry > self.lac:
-                await self._learn_lac(0.0)
-            if self.entry > self.lac:
-                if out or loop.time() >= deadline or self._closed_at_end():
-                    break
-                await self._learn_lac(max(0.0, deadline - loop.time()))
-                continue
-            last = min(self.lac, self.entry + self.max_read_entries - 1)
-            result = await self._take_range(self.entry, last)
+                # caught up: one tail read asks for the LAC and the entries up to it at once, and
+                # (when nothing is new) waits on the bookie until the next one is acknowledged
+                result = await self._read_tail(0.0)
+                if not result and self.entry > self.lac:
+                    if out or loop.time() >= deadline or self._closed_at_end():
+                        break
+                    result = await self._read_tail(max(0.0, deadline - loop.time()))
+                if not result:
+                    continue
+            else:
+                last = min(self.lac, self.entry + self.max_read_entries - 1)
+                result = await self._take_range(self.entry, last)
             nxt = result[-1].entry_id + 1
             if nxt <= self.lac and self.read_ahead:  # read the next range while this one is decoded
                 t = asyncio.ensure_future(self._read_range(nxt, min(self.lac, nxt + self.max_read_entries - 1)))
@@ -360,19 +365,35 @@ class Consumer:
         return self.lac
 
     async def _learn_lac(self, wait_s: float, after: int | None = None) -> None:
+        await self._poll_last_fragment(wait_s, after, tail=False)
+
+    async def _read_tail(self, wait_s: float) -> list:
+        """Entries from the position up to the LAC, read from a bookie of the last fragment which
+        first waits up to ``wait_s`` for the LAC to reach them (BookKeeper's long-poll "read LAC
+        and entry"); [] when nothing new came in time or that bookie does not hold them (the LAC
+        learnt then lets the next read fetch them from a replica that does)."""
+        return await self._poll_last_fragment(wait_s, None, tail=True)
+
+    async def _poll_last_fragment(self, wait_s: float, after: int | None, tail: bool) -> list:
         if not self.fragments:
             await self._refresh()
         last = self.fragments[-1]
         bookies = list(last.ensemble)
         self._rotate += 1
         after = self.entry - 1 if after is None else after
+        first = after + 1
+        wait = min(wait_s, LAC_POLL_MAX_S)
         for i in range(len(bookies)):
             b = bookies[(self._rotate + i) % len(bookies)]
             client = self.cluster.client(b)
             if client is None:
                 continue
             try:
-                r = await client.read_lac(self.meta.ledger_id, after, min(wait_s, LAC_POLL_MAX_S))
+                if tail:
+                    r = await client.read_tail(self.meta.ledger_id, first, first + self.max_read_entries - 1, wait_s=wait,
+                                               max_entries=self.max_read_entries, max_bytes=self.max_read_bytes)
+                else:
+                    r = await client.read_lac(self.meta.ledger_id, after, wait)
             except BookieError as exc:
                 log.debug("stream=%s LAC read from %s failed: %s", self.name, b, exc)
                 continue
@@ -382,6 +403,7 @@ class Consumer:
             # only after its first add of the term).
             self.lac = max(self.lac, r.lac, self.fragments[-1].first_entry_id - 1)
             self.seen_term = max(self.seen_term, r.term)
+            got = self._usable(last, b, first, r.entries) if tail and r.entries else []
             now = asyncio.get_running_loop().time()
             if wait_s > 0 and self.lac <= after and now - self._refreshed_at >= IDLE_REFRESH_S:
                 # A poll without progress: the writer may have rolled over onto other bookies,
@@ -389,9 +411,27 @@ class Consumer:
                 # read per IDLE_REFRESH_S while idle) so later polls ask the real last fragment.
                 await self._refresh()
                 self.lac = max(self.lac, self.fragments[-1].first_entry_id - 1)
-            return
+            return got
         await self._refresh()  # the ensemble may have changed
         await asyncio.sleep(min(wait_s, 0.1))  # no bookie answered: do not spin until the deadline
+        return []
+
+    def _usable(self, f: Fragment, bookie: str, first: int, entries) -> list:
+        """The contiguous run of ``entries`` from ``first`` that this bookie may serve: inside
+        the fragment, written in its term or later, by a member of each entry's write set, and at
+        most the LAC; cut at the first entry that is not."""
+        if self.seen_term > self.meta.term:
+            return []  # a newer term than our metadata: let the range read re-check (see _read_one)
+        wq = self.meta.config.write_quorum
+        out = []
+        expect = first
+        for e in entries:
+            if e.entry_id != expect or e.entry_id > self.lac or not f.contains(e.entry_id) \
+                    or not copy_is_current(f, e.entry_term) or bookie not in write_set(e.entry_id, f.ensemble, wq):
+                break
+            out.append(e)
+            expect += 1
+        return out
 
     async def _read_range(self, first: int, last: int):
         for _attempt in range(2):

@@ -190,3 +190,35 @@ def test_adds_in_flight_fail_when_the_bookie_goes_away(tmp_path: Path) -> None:
             await c.close()
 
     run(scenario())
+
+
+def test_a_tail_read_waits_for_the_lac_and_answers_the_entries_up_to_it(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with serving(tmp_path) as (_server, c):
+            assert (await c.submit([AddRequest(1, 0, 1, -1, -1, b"noop", truncate=True)])).all_ok
+            assert (await c.submit(entries(1, range(1, 4), 1, lac=0))).all_ok  # stored 0..3, LAC 0
+            # entries above the LAC are never answered, though stored
+            now = await c.read_tail(1, 1, 100)
+            assert now.entries == [] and now.lac == 0 and now.timed_out
+            # a long poll: parked until an add carries a LAC that reaches the first id asked
+            waiting = asyncio.ensure_future(c.read_tail(1, 1, 100, wait_s=30))
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            assert (await c.submit(entries(1, [4], 1, lac=2))).all_ok
+            got = await waiting
+            assert [e.entry_id for e in got.entries] == [1, 2] and got.lac == 2 and not got.timed_out
+            # nothing new in time: no entries, timed out, the LAC known
+            quiet = await c.read_tail(1, 3, 100, wait_s=0.05)
+            assert quiet.entries == [] and quiet.timed_out and quiet.lac == 2
+            # a LAC write wakes a tail read too
+            waiting = asyncio.ensure_future(c.read_tail(1, 3, 100, wait_s=30))
+            assert type(await c.write_lac(1, 1, 4, 4)).__name__ == "LacWritten"
+            assert [e.data for e in (await waiting).entries] == [b"v-1-3", b"v-1-4"]
+            # entries this bookie does not hold, below its LAC (a striped fragment): the LAC, no error
+            assert type(await c.write_lac(1, 1, 6, 6)).__name__ == "LacWritten"
+            miss = await c.read_tail(1, 5, 100)
+            assert miss.entries == [] and miss.lac == 6 and not miss.timed_out
+            with pytest.raises(NoSuchLedgerError):
+                await c.read_tail(77, 0, 10)
+
+    run(scenario())

@@ -1,0 +1,56 @@
+"""Tailing over real processes (etcd + bookie processes): a consumer at the end of a stream gets
+every record the producer appends at a fixed rate, in order, nothing missing, and never before the
+producer was told the record is acknowledged (readers see only what is below the LAC)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streams.client import connect
+
+pytestmark = pytest.mark.process
+
+N = 400
+RATE = 400.0  # appends/s: one record per entry, so each append is its own add, ack and LAC step
+
+
+def test_a_tailing_consumer_gets_each_append_after_its_acknowledgement_in_order(cluster, stream_name) -> None:
+    async def scenario() -> None:
+        client = await connect(cluster.metadata_url, add_timeout_s=5.0, call_timeout_s=5.0)
+        try:
+            await client.create_stream(stream_name)
+            producer = await client.producer(stream_name)
+            consumer = await client.consumer(stream_name, start="latest")
+            futures: dict[int, asyncio.Future] = {}
+            delivered: list[tuple[int, bytes, bool]] = []  # (offset, value, acknowledged when delivered)
+
+            async def tail() -> None:
+                while len(delivered) < N:
+                    for r in await consumer.read(100, timeout_s=10.0):
+                        fut = futures.get(r.offset)
+                        delivered.append((r.offset, r.value, fut is not None and fut.done()))
+
+            reader = asyncio.create_task(tail())
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for i in range(N):
+                delay = start + i / RATE - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                fut = await producer.append_future(b"v%d" % i)
+                futures[i] = fut  # offsets are dense from 0: record i gets offset i
+            offsets = await asyncio.gather(*futures.values())
+            assert offsets == list(range(N))
+            await asyncio.wait_for(reader, 60)
+            assert [d[0] for d in delivered] == list(range(N))
+            assert [d[1] for d in delivered] == [b"v%d" % i for i in range(N)]
+            early = [d[0] for d in delivered if not d[2]]
+            assert not early, f"records delivered before their acknowledgement: {early[:10]}"
+            await consumer.close()
+            await producer.close()
+        finally:
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
