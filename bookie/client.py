@@ -330,7 +330,7 @@ class _DataConnection(asyncio.Protocol):
                 if not fut.done():
                     fut.set_result(AddResults(k, [status] * k, [-1] * k, message))
             return
-        log.warning("bookie %s: %s", self.client.bookie, message)  # the bookie closes the connection next
+        self.fail(f"the bookie refused the connection: {message}")  # it closes the connection next
 
     # ---------------------------------------------------------------- timeouts, failure
     def _rid(self) -> int:

@@ -94,6 +94,12 @@ class DataConnection(asyncio.Protocol):
     # ---------------------------------------------------------------- transport events
     def connection_made(self, transport) -> None:
         self.transport = transport
+        limit = self.engine.config.max_add_streams
+        if len(self.server.connections) >= limit:
+            transport.write(wire.encode_error(0, Status.TOO_BUSY, f"too many data connections (max {limit})"))
+            transport.close()
+            self.closed = True
+            return
         self.server.connections.add(self)
 
     def connection_lost(self, exc) -> None:
