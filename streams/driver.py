@@ -6,8 +6,15 @@ produced by one step of the writer are grouped per bookie and handed to that boo
 one ``submit`` (the client batches further while a message is in flight). When the results come
 back, each is fed to the writer with the ``send_id`` of its command, and whatever the writer
 answers is executed in turn. Fences, recovery reads and LAC writes run as tasks; metadata CASes
-run as one transaction each. A timer feeds ``Tick`` so an idle writer pushes its LAC. Callers hold
-one future per appended entry, resolved in order when the writer says ``Acknowledge``.
+run as one transaction each. Callers hold one future per appended entry, resolved in order when
+the writer says ``Acknowledge``.
+
+Time. The writer says when it next needs a ``Tick`` (``next_deadline``: the idle LAC push, a retry
+of an ensemble change); the driver keeps at most one timer for it, re-armed after each step, and
+tells the writer the time (``advance_clock``) before appends and answers. An idle writer (LAC
+pushed, nothing pending) has no timer at all. The view of the live bookies the writer places from
+is refreshed when there is activity and it is older than ``PLACEMENT_REFRESH_S`` (from the timer
+and from appends), or ``PLACEMENT_REFRESH_FAILED_S`` while a failed bookie waits for a replacement.
 
 Nothing protocol-related is decided here: every rule lives in ``terms``.
 """
@@ -18,7 +25,6 @@ import asyncio
 import collections
 import logging
 import random
-import time
 from dataclasses import dataclass
 
 from bookie.client import LacWritten
@@ -67,7 +73,7 @@ class ProducerOptions:
     max_inflight_entries: int = 20_000
     max_inflight_bytes: int = 64 * 1024 * 1024
     lac_push_idle_s: float = 0.002
-    tick_s: float = 0.002
+    tick_s: float = 0.002  # while a failed bookie waits for a replacement, retry placing one this often
     takeover_attempts: int = 20
     takeover_backoff_s: float = 0.05
 
@@ -92,7 +98,11 @@ class WriterDriver:
         self._space = asyncio.Event()
         self._opened: asyncio.Future | None = None
         self._closed: asyncio.Future | None = None
-        self._tick_task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None  # at most one: feeds Tick at next_deadline
+        self._timer_at = 0.0
+        self._placed_at = 0.0  # loop time of the last refresh of the live bookies
+        self._refreshing = False
+        self._stopped = False  # closed: no more ticks
         self._tasks: set[asyncio.Task] = set()
         self.failure: Exception | None = None
         self.ledger_id: int | None = None
@@ -106,23 +116,24 @@ class WriterDriver:
         """Take the ledger over (a new term), retrying when another writer races us."""
         delay = self.options.takeover_backoff_s
         last_reason = ""
+        self._stopped = False
         for _ in range(self.options.takeover_attempts):
             meta, version = await self.ledgers.get_ledger(self.name)
             self.ledger_id = meta.ledger_id
             last = await self.ledgers.get_fragment(meta.ledger_id, meta.last_fragment_index)
             await self.cluster.refresh_bookies()
+            self._placed_at = self._now()
             placement = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
             cfg = WriterConfig(
                 max_inflight_entries=self.options.max_inflight_entries,
                 max_inflight_bytes=self.options.max_inflight_bytes,
                 lac_push_idle_s=self.options.lac_push_idle_s,
+                ensemble_retry_s=self.options.tick_s,
             )
             self.writer = LedgerWriter(meta, version, last, placement, cfg, now=self._now())
             self.failure = None
             self._opened = asyncio.get_running_loop().create_future()
             self._execute(self.writer.start())
-            if self._tick_task is None:
-                self._tick_task = asyncio.create_task(self._ticker())
             outcome = await self._opened
             if outcome is True:
                 log.info("stream=%s ledger=%s term=%s open", self.name, meta.ledger_id, self.writer.term)
@@ -142,9 +153,8 @@ class WriterDriver:
                 self._closed = asyncio.get_running_loop().create_future()
                 self._execute(w.close())
                 await self._closed
-        if self._tick_task is not None:
-            self._tick_task.cancel()
-            self._tick_task = None
+        self._stopped = True
+        self._cancel_timer()
         for t in list(self._tasks):
             t.cancel()
 
@@ -194,6 +204,9 @@ class WriterDriver:
             raise self.failure
         if w is None or w.phase is not Phase.OPEN:
             raise WriterWithdrawn(f"stream {self.name!r} has no open writer")
+        now = self._now()
+        w.advance_clock(now)
+        self._maybe_refresh(w, now)
         entry_id, cmds = w.append(data, offsets)
         fut = asyncio.get_running_loop().create_future()
         self._acks.append((entry_id, fut))
@@ -247,6 +260,7 @@ class WriterDriver:
                 self._settle(self._closed, True)
         for bookie, sends in adds.items():
             self._queue_adds(self.writer, bookie, sends)
+        self._arm()
 
     def _queue_adds(self, w: LedgerWriter, bookie: str, sends: list[SendAdd]) -> None:
         """Adds go out once per event-loop turn, per bookie: a producer appending in a loop (or a
@@ -289,6 +303,7 @@ class WriterDriver:
         fut.add_done_callback(done)
 
     def _feed_adds(self, w: LedgerWriter, events, sends: list[SendAdd]) -> None:
+        w.advance_clock(self._now())
         out = []
         for ev, s in zip(events, sends):
             out.extend(w.handle_add_answer(ev, s.send_id))
@@ -301,6 +316,7 @@ class WriterDriver:
                 cb()
 
     def _feed(self, w: LedgerWriter, ev) -> None:
+        w.advance_clock(self._now())
         cmds = w.handle(ev)
         if w is self.writer:
             self._execute(cmds)
@@ -360,9 +376,7 @@ class WriterDriver:
         else:
             err = WriterWithdrawn(f"stream {self.name!r}: {c.reason}")
         self.failure = err
-        if self._tick_task is not None:
-            self._tick_task.cancel()
-            self._tick_task = None
+        self._cancel_timer()
         while self._acks:
             _, fut = self._acks.popleft()
             if not fut.done():
@@ -387,28 +401,71 @@ class WriterDriver:
         if not t.cancelled() and t.exception() is not None:
             log.error("stream=%s driver task failed", self.name, exc_info=t.exception())
 
-    async def _ticker(self) -> None:
-        placed_at = time.monotonic()
-        while True:
-            await asyncio.sleep(self.options.tick_s)
-            w = self.writer
-            if w is None or not w.engaged:
-                continue
-            # The writer places replacements and new fragments from the live bookies: refresh that
-            # view now and then, and at once while a failed bookie waits for a replacement (a
-            # bookie that registered after the take-over, or one that came back, can then be used).
-            wait = PLACEMENT_REFRESH_FAILED_S if w.failed else PLACEMENT_REFRESH_S
-            if time.monotonic() - placed_at >= wait:
-                placed_at = time.monotonic()
-                try:
-                    await self.cluster.refresh_bookies(max_age_s=wait / 2)
-                except Exception as exc:  # noqa: BLE001 - the metadata store may be down: keep the old view
-                    log.debug("stream=%s refreshing the live bookies failed: %r", self.name, exc)
-                else:
-                    self._update_placement(w)
-                if self.writer is not w or not w.engaged:
-                    continue
-            self._feed(w, Tick(self._now()))
+    # ---------------------------------------------------------------- time
+    @property
+    def timer_armed(self) -> bool:
+        """Whether a timer is set to feed the writer a Tick (an idle writer has none)."""
+        return self._timer is not None
+
+    def _arm(self) -> None:
+        """Keep one timer at the writer's next deadline. A timer already set at or before it stays
+        (when it fires early, it re-arms for the deadline then): appends at a high rate move the
+        deadline later on every send without touching the timer."""
+        w = self.writer
+        deadline = w.next_deadline() if w is not None and not self._stopped and self.failure is None else None
+        if deadline is None:
+            self._cancel_timer()
+            return
+        if self._timer is not None:
+            if self._timer_at <= deadline:
+                return
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        w = self.writer
+        if w is None or not w.engaged:
+            return
+        now = self._now()
+        self._maybe_refresh(w, now)
+        deadline = w.next_deadline()
+        if deadline is not None and deadline <= now:
+            self._feed(w, Tick(now))  # re-arms from the writer's next deadline
+        else:
+            self._arm()
+
+    def _maybe_refresh(self, w: LedgerWriter, now: float) -> None:
+        """The writer places replacements and new fragments from the live bookies: refresh that
+        view now and then while it is active, and often while a failed bookie waits for a
+        replacement (a bookie that registered after the take-over, or one that came back, can then
+        be used)."""
+        wait = PLACEMENT_REFRESH_FAILED_S if w.failed else PLACEMENT_REFRESH_S
+        if self._refreshing or now - self._placed_at < wait:
+            return
+        self._placed_at = now
+        self._refreshing = True
+        self._spawn(self._refresh_placement(w, wait))
+
+    async def _refresh_placement(self, w: LedgerWriter, wait: float) -> None:
+        try:
+            await self.cluster.refresh_bookies(max_age_s=wait / 2)
+        except Exception as exc:  # noqa: BLE001 - the metadata store may be down: keep the old view
+            log.debug("stream=%s refreshing the live bookies failed: %r", self.name, exc)
+            return
+        finally:
+            self._refreshing = False
+        if self.writer is not w or not w.engaged:
+            return
+        self._update_placement(w)
+        if w.failed:
+            self._feed(w, Tick(self._now()))  # a replacement may be placeable now
 
     def _update_placement(self, w: LedgerWriter) -> None:
         """The registry's live bookies become the writer's view; one that is missing from a single

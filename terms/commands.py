@@ -110,9 +110,12 @@ class WriterConfig:
     max_inflight_entries: int = 10_000  # appended but not yet fully replicated
     max_inflight_bytes: int = 64 * 1024 * 1024
     lac_push_idle_s: float = 0.005  # push the LAC explicitly after this long without a send
+    ensemble_retry_s: float = 0.002  # while a failed bookie waits for a replacement, retry this often
     recovery_read_window: int = 16  # recovery reads in flight at once
     unsafe: UnsafeSwitches = field(default_factory=UnsafeSwitches)
 
     def __post_init__(self) -> None:
         if self.max_inflight_entries < 1 or self.max_inflight_bytes < 1 or self.recovery_read_window < 1:
             raise ValueError("in-flight limits must be positive")
+        if self.lac_push_idle_s < 0 or self.ensemble_retry_s <= 0:
+            raise ValueError("lac_push_idle_s must be >= 0 and ensemble_retry_s > 0")

@@ -181,6 +181,7 @@ class LedgerWriter:
         self.acked = -1  # highest id acknowledged to callers
         self.lac_pushed = -1
         self.last_send_at = now
+        self.last_tick_at = now
         self.now = now
         self.close_requested = False
         # The record offset the next appended entry starts at, as the caller (which formats entries)
@@ -243,6 +244,34 @@ class LedgerWriter:
     @property
     def engaged(self) -> bool:
         return self.phase not in TERMINAL
+
+    def advance_clock(self, now: float) -> None:
+        """Tell the writer the time without acting on it (a ``Tick`` also acts). Sends are stamped
+        with it, so a driver that ticks only at ``next_deadline`` calls this before appends and
+        answers: the idle LAC push then counts from the real time of the last send."""
+        if now > self.now:
+            self.now = now
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which a ``Tick`` would do something, or None when nothing is
+        time-driven (an idle writer whose LAC is pushed, a metadata change in flight, a finished
+        writer): the driver then needs no timer until the next append or answer. A deadline may
+        be in the past (tick at once). A Tick earlier than the deadline does nothing, except that
+        any Tick retries a pending ensemble change (a driver ticks after refreshing the placement).
+
+        Mirrors ``_on_tick``: a failed bookie waiting for a replacement (placement may have failed,
+        or a pinned bookie waits to be unpinned) is retried every ``ensemble_retry_s`` counted from
+        the last tick; the LAC is pushed ``lac_push_idle_s`` after the last send."""
+        if self.cas_reason is not None or self.phase in TERMINAL:
+            return None  # a CAS answer is an event; both timed actions wait for it
+        deadline = None
+        if self.failed and self.phase in (Phase.OPEN, Phase.RECOVERING):
+            deadline = self.last_tick_at + self.config.ensemble_retry_s
+        if self.phase is Phase.OPEN and self.lac > self.lac_pushed:
+            push_at = self.last_send_at + self.config.lac_push_idle_s
+            if deadline is None or push_at < deadline:
+                deadline = push_at
+        return deadline
 
     # ------------------------------------------------------------------ metadata answers
     def _on_cas_ok(self, ev: CasOk) -> None:
@@ -544,7 +573,7 @@ class LedgerWriter:
         keep = {i: b for i, b in enumerate(ens) if b not in replace}
         new_ens = self._place(len(ens), keep, avoid=set(ens))
         if new_ens is None:
-            return  # retried on Tick
+            return  # retried on Tick (see next_deadline)
         newcomers = {b for i, b in enumerate(new_ens) if i not in keep}
         if first == self.fragment.first_entry_id:
             frag = self.fragment.with_(ensemble=new_ens)
@@ -646,13 +675,14 @@ class LedgerWriter:
     # ------------------------------------------------------------------ idle LAC push, close
     def _on_tick(self, ev: Tick) -> None:
         self.now = ev.now
+        self.last_tick_at = ev.now
         if self.phase in (Phase.OPEN, Phase.RECOVERING) and self.failed and self.cas_reason is None:
             self._change_ensemble()
         if (
             self.phase is Phase.OPEN
             and self.lac > self.lac_pushed
             and self.cas_reason is None
-            and ev.now - self.last_send_at >= self.config.lac_push_idle_s
+            and ev.now >= self.last_send_at + self.config.lac_push_idle_s  # as next_deadline computes it
         ):
             self._push_lac()
 
