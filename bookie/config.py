@@ -43,6 +43,7 @@ class BookieConfig:
     # --- journal ---
     journal_group_wait_s: float = 0.0  # extra wait for more records before an fsync (0: fsync at once)
     journal_group_bytes_max: int = 4 * MiB  # at most this much per write+fsync
+    journal_inline_sync_bytes: int = 64 * KiB  # groups up to this size sync on the event loop (0: always the writer thread)
     journal_file_bytes: int = 64 * MiB
     journal_preallocate: str = "zero"  # "zero" (fill with zeros), "fallocate" or "none"
     journal_retry_interval_s: float = 1.0  # retry a failed journal write this often
@@ -83,7 +84,7 @@ class BookieConfig:
             "read_threads",
         ):
             _positive(name, getattr(self, name))
-        for name in ("journal_group_wait_s", "min_free_bytes"):
+        for name in ("journal_group_wait_s", "min_free_bytes", "journal_inline_sync_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("long_poll_max_s", "flush_interval_s", "gc_interval_s", "disk_check_interval_s",

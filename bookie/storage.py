@@ -891,6 +891,7 @@ class Engine:
             retry_interval_s=cfg.journal_retry_interval_s,
             on_error=self.io_failure,
             observe=self.metrics.journal_group,
+            inline_bytes_max=cfg.journal_inline_sync_bytes,
         )
         self.committer.start()
         loop = asyncio.get_running_loop()

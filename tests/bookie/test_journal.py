@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,36 @@ def test_group_commit_resolves_waiters_only_after_the_sync(tmp_path: Path) -> No
         assert c.wait_synced(seqs[-1]) is None  # already durable
         await c.close()
         j.close()
+
+    run(scenario())
+
+
+def test_small_groups_sync_on_the_loop_and_large_ones_in_the_writer_thread(tmp_path: Path) -> None:
+    """Both paths make a group durable before its waiters wake; only where the fsync runs differs."""
+    async def scenario() -> None:
+        j = make(tmp_path)
+        where: list[tuple[str, int]] = []
+        real = j.write_group
+
+        def watched(group):
+            where.append((threading.current_thread().name, len(group)))
+            return real(group)
+
+        j.write_group = watched
+        c = JournalCommitter(j, group_wait_s=0.0, retry_interval_s=0.05, on_error=lambda e: None, inline_bytes_max=4096)
+        c.start()
+        small = j.append(1, b"s" * 100)
+        c.notify()
+        await c.wait_synced(small)
+        big = [j.append(1, b"b" * 3000) for _ in range(3)]
+        c.notify()
+        await c.wait_synced(big[-1])
+        assert j.synced_seq >= big[-1]
+        assert where[0] == (threading.main_thread().name, 1)
+        assert where[1][0].startswith("journal-writer") and where[1][1] == 3
+        await c.close()
+        j.close()
+        assert [s for s, _b in bodies(tmp_path)] == [small, *big]
 
     run(scenario())
 
