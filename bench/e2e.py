@@ -62,6 +62,10 @@ GOAL_JS_RATIO = 5.0
 GOAL_100B_PER_S = 200_000
 GOAL_BACKLOG_KIB_PER_S = 150_000  # a consumer reading a backlog of 1 KiB records
 GOAL_TAIL_P50_MS = 5.0
+# issue 13, at each fixed rate (1 KiB): append p50/p99, tail delivery p50/p99; CPU at 1,000/s
+GOAL_APPEND_P50_MS, GOAL_APPEND_P99_MS = 2.0, 15.0
+GOAL_DELIVERY_P50_MS, GOAL_DELIVERY_P99_MS = 3.0, 20.0
+GOAL_CPU_SHARE_OF_JS = 0.5  # total CPU per append at 1,000/s <= half of JetStream's client + servers
 REFERENCE_JS = {"kib_per_s": 12_000, "p50_ms_at_5000": 0.9, "p99_ms_at_5000": 8.5}  # from the issue
 
 
@@ -887,6 +891,27 @@ def summarize(run: Run) -> None:
         goals.append({"goal": f"tail-read median <= {GOAL_TAIL_P50_MS} ms ({s_tail.entry_bytes} B entries, "
                               f"{main_rate:,.0f}/s)",
                       "measured": round(s_tail.tail_p50_ms, 2), "met": s_tail.tail_p50_ms <= GOAL_TAIL_P50_MS})
+    for rate in rates:
+        s_r = get("scroll", "rate", 1024, rate)
+        s_t = next((r for r in run.results if r.system == "scroll" and r.workload == "tail"
+                    and r.target_per_s == rate and r.entry_bytes == 1024), None)
+        if s_r:
+            goals.append({"goal": f"1 KiB append at {rate:,.0f}/s: p50 <= {GOAL_APPEND_P50_MS} ms and p99 <= "
+                                  f"{GOAL_APPEND_P99_MS} ms",
+                          "measured": f"{s_r.p50_ms:.2f} / {s_r.p99_ms:.2f}",
+                          "met": s_r.p50_ms <= GOAL_APPEND_P50_MS and s_r.p99_ms <= GOAL_APPEND_P99_MS})
+        if s_t:
+            goals.append({"goal": f"1 KiB tail delivery at {rate:,.0f}/s: p50 <= {GOAL_DELIVERY_P50_MS} ms and p99 <= "
+                                  f"{GOAL_DELIVERY_P99_MS} ms",
+                          "measured": f"{s_t.tail_p50_ms:.2f} / {s_t.tail_p99_ms:.2f}",
+                          "met": s_t.tail_p50_ms <= GOAL_DELIVERY_P50_MS and s_t.tail_p99_ms <= GOAL_DELIVERY_P99_MS})
+    s_k, j_k = get("scroll", "rate", 1024, 1000), get("jetstream", "rate", 1024, 1000)
+    if s_k and j_k:
+        ours, theirs = s_k.client_cpu_us + s_k.server_cpu_us, j_k.client_cpu_us + j_k.server_cpu_us
+        goals.append({"goal": f"CPU per 1 KiB append at 1,000/s (client + servers) <= {GOAL_CPU_SHARE_OF_JS:.0%} of "
+                              f"JetStream's (measured {theirs:.0f} us): need <= {GOAL_CPU_SHARE_OF_JS * theirs:.0f} us",
+                      "measured": f"{ours:.0f} us ({s_k.client_cpu_us:.0f} client + {s_k.server_cpu_us:.0f} servers)",
+                      "met": ours <= GOAL_CPU_SHARE_OF_JS * theirs})
     run.goals = goals
     print()
     for g in goals:
