@@ -143,26 +143,16 @@ class BookieInfo:
 
 
 class _OpenBatch:
-    """Adds waiting for a free in-flight slot; they leave as one ADD frame."""
+    """Encoded adds waiting for a free in-flight slot; they leave as one ADD frame."""
 
-    __slots__ = ("cols", "waiters", "n", "nbytes", "any_flag", "deadline")
+    __slots__ = ("parts", "waiters", "n", "size", "deadline")
 
     def __init__(self) -> None:
-        self.cols: tuple[list, ...] = tuple([] for _ in range(10))
+        self.parts: list = []  # per add: ADD_HEAD, digest, data
         self.waiters: list[tuple[asyncio.Future, int]] = []  # (future, count), in order
         self.n = 0
-        self.nbytes = 0
-        self.any_flag = False  # a truncate or recovery flag is set somewhere
+        self.size = 0
         self.deadline = 0.0
-
-    def add(self, cols, nbytes: int, flagged: bool, fut: asyncio.Future) -> None:
-        for dst, src in zip(self.cols, cols):
-            dst.extend(src)
-        k = len(cols[0])
-        self.waiters.append((fut, k))
-        self.n += k
-        self.nbytes += nbytes
-        self.any_flag = self.any_flag or flagged
 
 
 class _Call:
@@ -243,16 +233,19 @@ class _DataConnection(asyncio.Protocol):
                 return
 
     # ---------------------------------------------------------------- adds
-    def enqueue(self, cols, nbytes: int, flagged: bool) -> asyncio.Future:
+    def enqueue(self, parts: list, k: int, size: int) -> asyncio.Future:
+        """Queue ``k`` encoded adds (``size`` bytes of ``parts``); one future answers them."""
         c = self.client
-        k = len(cols[0])
         ob = self.open[-1] if self.open else None
-        if ob is None or ob.n + k > c.max_batch_adds or (ob.n and ob.nbytes + nbytes > c.max_batch_bytes):
+        if ob is None or ob.n + k > c.max_batch_adds or (ob.n and ob.size + size > c.max_batch_bytes):
             ob = _OpenBatch()
             self.open.append(ob)
         fut = asyncio.get_running_loop().create_future()
-        ob.add(cols, nbytes, flagged, fut)
-        if self.transport is not None:
+        ob.parts += parts
+        ob.waiters.append((fut, k))
+        ob.n += k
+        ob.size += size
+        if self.transport is not None and len(self.adds) < c.max_inflight_batches:
             self._pump()
         return fut
 
@@ -267,7 +260,8 @@ class _DataConnection(asyncio.Protocol):
                 now = asyncio.get_running_loop().time()
             ob.deadline = now + self.client.add_timeout_s
             self.adds[rid] = ob
-            self.transport.writelines(wire.encode_add(rid, ob.cols, ob.any_flag))
+            self.transport.writelines(wire.add_frame(rid, ob.n, ob.size, ob.parts))
+            ob.parts = None  # sent: the payloads need not stay referenced
         if self.adds:
             self._arm()
 
@@ -505,7 +499,24 @@ class BookieClient:
             [r.ledger_id for r in reqs], [r.entry_id for r in reqs], [r.term for r in reqs],
             [r.lac for r in reqs], [r.lafr for r in reqs], [r.data for r in reqs],
             truncates=[r.truncate for r in reqs], recoveries=[r.recovery for r in reqs],
-        )
+        ) if len(reqs) != 1 else self._submit_one(reqs[0])
+
+    def _submit_one(self, r: AddRequest) -> asyncio.Future:
+        """The common case on the hot path: one add (a writer's entry to one bookie)."""
+        data = r.data
+        if len(data) > self.max_entry_bytes:
+            return self._refuse(1, [0], f"entry over max_entry_bytes={self.max_entry_bytes}")
+        key = self._keys.get(r.ledger_id) if self._keys else None
+        if key is None:
+            dtype, dig = digests.DIGEST_CRC32C, digests.crc32c_digest(r.ledger_id, r.entry_id, data)
+        else:
+            dtype, dig = digests.DIGEST_MAC, digests.mac_digest(key, r.ledger_id, r.entry_id, data)
+        flags = (wire.FLAG_TRUNCATE if r.truncate else 0) | (wire.FLAG_RECOVERY if r.recovery else 0)
+        head = wire.ADD_HEAD.pack(r.ledger_id, r.entry_id, r.term, r.lac, r.lafr, flags, dtype, len(dig), len(data))
+        conn = self._conn
+        if conn is None or conn.dead:
+            conn = self._connection()
+        return conn.enqueue([head, dig, data], 1, len(head) + len(dig) + len(data))
 
     def submit_columns(self, ledger_ids, entry_ids, terms, lacs, lafrs, datas, truncates=None, recoveries=None) -> asyncio.Future:
         """The columnar form of ``submit`` (no AddRequest objects needed)."""
@@ -514,16 +525,26 @@ class BookieClient:
         if too_big:
             return self._refuse(n, too_big, f"entry over max_entry_bytes={self.max_entry_bytes}")
         dtypes, digest_col = self._digests(ledger_ids, entry_ids, datas)
+        flagged = truncates is not None or recoveries is not None
         truncates = truncates if truncates is not None else [False] * n
         recoveries = recoveries if recoveries is not None else [False] * n
-        flagged = any(truncates) or any(recoveries)
-        cols = (ledger_ids, entry_ids, terms, lacs, lafrs, truncates, recoveries, dtypes, digest_col, datas)
+        pack = wire.ADD_HEAD.pack
+        parts: list = []
+        sizes: list[int] = []
+        for i in range(n):
+            flags = ((wire.FLAG_TRUNCATE if truncates[i] else 0) | (wire.FLAG_RECOVERY if recoveries[i] else 0)
+                     if flagged else 0)
+            d, dig = datas[i], digest_col[i]
+            head = pack(ledger_ids[i], entry_ids[i], terms[i], lacs[i], lafrs[i], flags, dtypes[i], len(dig), len(d))
+            parts += (head, dig, d)
+            sizes.append(len(head) + len(dig) + len(d))
         conn = self._connection()
-        if n == 1 or n <= self.max_batch_adds and sum(map(len, datas)) <= self.max_batch_bytes:
-            return conn.enqueue(cols, sum(map(len, datas)), flagged)
+        chunks = list(self._chunks(datas))
+        if len(chunks) == 1:
+            return conn.enqueue(parts, n, sum(sizes))
         # A submission larger than one batch (e.g. an ensemble change resending a whole window)
         # goes out as several batches, each within the limits, and answers as one AddResults.
-        futs = [conn.enqueue(tuple(c[a:b] for c in cols), nb, flagged) for a, b, nb in self._chunks(datas)]
+        futs = [conn.enqueue(parts[3 * a:3 * b], b - a, sum(sizes[a:b])) for a, b, _nb in chunks]
         return asyncio.ensure_future(_merge(futs))
 
     def _connection(self) -> _DataConnection:

@@ -100,6 +100,11 @@ def encode_add(rid: int, cols, flags_any: bool) -> list:
     return parts
 
 
+def add_frame(rid: int, n: int, size: int, parts: list) -> list:
+    """An ADD frame around ``parts`` (each add's ``ADD_HEAD``, digest and data, ``size`` bytes)."""
+    return [frame_head(ADD, rid, COUNT.size + size) + COUNT.pack(n), *parts]
+
+
 def decode_add(body: memoryview) -> tuple:
     """Columns of an ADD body (data and digests as memoryviews of ``body``)."""
     if len(body) < COUNT.size:

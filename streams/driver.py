@@ -408,16 +408,17 @@ class WriterDriver:
         return self._timer is not None
 
     def _arm(self) -> None:
-        """Keep one timer at the writer's next deadline. A timer already set at or before it stays
-        (when it fires early, it re-arms for the deadline then): appends at a high rate move the
-        deadline later on every send without touching the timer."""
+        """Keep one timer at the writer's next deadline. When the deadline moves (each send moves
+        the idle LAC push later) the timer moves with it: a timer left at the old deadline would
+        wake the loop for nothing, and on this kind of host a wake-up costs more CPU (~100 us)
+        than a cancelled handle (~2 us)."""
         w = self.writer
         deadline = w.next_deadline() if w is not None and not self._stopped and self.failure is None else None
         if deadline is None:
             self._cancel_timer()
             return
         if self._timer is not None:
-            if self._timer_at <= deadline:
+            if self._timer_at == deadline:
                 return
             self._timer.cancel()
         self._timer_at = deadline
