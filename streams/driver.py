@@ -60,8 +60,9 @@ class ProducerOptions:
     """How a producer batches and how its writer pipelines.
 
     Records accumulate into a batch (one entry) while earlier batches are in flight: a batch goes
-    out when the loop is idle (no added delay), when it reaches ``batch_bytes``, or after
-    ``linger_ms`` if set; at most ``max_inflight_batches`` are in flight, so under load batches
+    out when it reaches ``batch_bytes``, or when the loop is idle (no added delay; after
+    ``linger_ms`` if set) and fewer than ``eager_inflight_batches`` batches are in flight, or else
+    when one is acknowledged; at most ``max_inflight_batches`` are in flight, so under load batches
     grow instead of multiplying. ``buffer_bytes`` bounds records waiting to be sent (appends wait
     for space beyond it). ``compression``: none, gzip, snappy, lz4 or zstd."""
 
@@ -69,6 +70,7 @@ class ProducerOptions:
     linger_ms: float = 0.0
     compression: str = "none"
     max_inflight_batches: int = 5
+    eager_inflight_batches: int = 1
     buffer_bytes: int = 32 << 20
     max_inflight_entries: int = 20_000
     max_inflight_bytes: int = 64 * 1024 * 1024
@@ -83,6 +85,7 @@ class ProducerOptions:
         if self.compression not in COMPRESSION:
             raise ValueError(f"compression must be one of {sorted(COMPRESSION)}, not {self.compression!r}")
         if self.batch_bytes < 1024 or self.linger_ms < 0 or self.max_inflight_batches < 1 \
+                or not 1 <= self.eager_inflight_batches <= self.max_inflight_batches \
                 or self.buffer_bytes < self.batch_bytes:
             raise ValueError(f"invalid producer options {self}")
 

@@ -6,10 +6,15 @@ below the LAC, and every batch it seals takes the next ``count`` offsets. Record
 open batch (aiokafka's builder). The open batch is sealed and sent
 
 - at once when it reaches ``batch_bytes``;
-- when the event loop goes idle (``call_soon``): a lone record goes out with no added delay;
-  with ``linger_ms`` it waits that long for company;
-- when an earlier batch is acknowledged, if ``max_inflight_batches`` were out: under load batches
-  grow instead of multiplying, which is what makes one entry carry thousands of records.
+- when the event loop goes idle (``call_soon``), if fewer than ``eager_inflight_batches`` (1) are
+  in flight: a lone record goes out with no added delay; with ``linger_ms`` it waits that long for
+  company;
+- otherwise when an earlier batch is acknowledged: under load batches grow instead of
+  multiplying (Nagle's rule, for batches), which is what makes one entry carry thousands of
+  records at full speed and a few per entry at moderate rates. Every entry costs a message, a
+  journal fsync and a wake-up on each bookie; fewer, fuller entries cut latency under load, since
+  the CPU they save is what queues the next ones. Full batches pipeline up to
+  ``max_inflight_batches``.
 
 Sealed batches wait in order for the writer's in-flight space; ``buffer_bytes`` bounds what waits
 (appends then wait for space). Each batch has one future, resolved to its base offset when the
@@ -275,7 +280,7 @@ class Producer:
                 self._idle_scheduled = True
                 self._loop.call_later(wait, self._on_idle)
                 return
-        if len(self._sent) < self.options.max_inflight_batches and not self._ready:
+        if len(self._sent) < self.options.eager_inflight_batches and not self._ready:
             self._seal()
         # else: it is sent when an in-flight batch is acknowledged (``_acked``)
         self._pump()

@@ -11,7 +11,7 @@ from bookie.config import BookieConfig
 from bookie.server import BookieServer
 from fragments.memstore import MemoryStore
 from fragments.registry import BookieRegistration, register_bookie
-from streams.batches import RecordFormatError
+from streams.batches import RecordFormatError, stored_batch
 from streams.client import ScrollClient
 from streams.cluster import Cluster
 from streams.driver import ProducerOptions
@@ -199,6 +199,36 @@ def test_compressed_batches_read_back_identically(tmp_path):
                     [(v, k, (("n", h["n"]),), ts, n) for n, (v, k, h, ts) in enumerate(recs)], codec
                 raw = await c.read_raw(1, 1)  # entry 0 is the take-over's no-op
                 assert raw[0].data[1 + 22] & 0x07 == ("none", "gzip", "snappy", "lz4", "zstd").index(codec)
+        finally:
+            await stop_cluster(client, servers, regs)
+
+    asyncio.run(body())
+
+
+def test_records_appended_while_a_batch_is_in_flight_go_out_together(tmp_path):
+    """Nagle's rule for batches: with nothing in flight a lone record leaves at once (its own
+    entry); records appended over several loop turns while that entry is in flight wait for its
+    acknowledgement and then leave as one entry, not one entry per turn."""
+    async def body():
+        client, servers, regs = await start_cluster(tmp_path)
+        try:
+            await client.create_stream("s")
+            p = await client.producer("s")
+            transports = [c.transport for s in servers for c in s.data.connections]
+            for t in transports:  # the bookies take no adds: the first entry stays in flight
+                t.pause_reading()
+            first = await p.append_future(b"lone")
+            rest = []
+            for turn in range(5):
+                await asyncio.sleep(0)  # a loop turn: the producer's idle hand-off runs
+                rest += [await p.append_future(b"r%d-%d" % (turn, i)) for i in range(10)]
+            for t in transports:
+                t.resume_reading()
+            assert await asyncio.gather(first, *rest) == list(range(51))
+            c = await client.consumer("s")
+            entries = [e for e in await c.read_raw(0, 10) if stored_batch(e.entry_id, e.data) is not None]
+            assert [stored_batch(e.entry_id, e.data).offset_count for e in entries] == [1, 50]
+            await p.close()
         finally:
             await stop_cluster(client, servers, regs)
 
