@@ -5,7 +5,8 @@ first appended here as one *record*: ``[u32 length][u32 crc32c][u64 seq][u8 type
 CRC covers seq, type and body. ``append`` only buffers the record in memory and returns its
 sequence number; a committer (``JournalCommitter``, one asyncio task) takes the buffered records
 as one group (bounded by ``group_bytes_max``, optionally after waiting ``group_wait_s`` for more),
-writes and fdatasyncs them (a group of at most ``inline_bytes_max`` right on the event loop, a
+writes and fdatasyncs them (a group of at most ``inline_bytes_max`` right on the event loop,
+unless ``inline_ok`` says no, e.g. while the entry logs flush and an fsync may stall the loop; a
 larger one in a dedicated thread), and then resolves every ``wait_synced`` future up to the group's
 last seq. While one group is being synced the event loop keeps appending, which is
 what makes the next group big. An add is acknowledged only after its record's group is synced.
@@ -493,10 +494,12 @@ class JournalCommitter:
         on_error: Callable[[OSError], None],
         observe: Callable[[float, int, int], None] | None = None,
         inline_bytes_max: int = 0,
+        inline_ok: Callable[[], bool] | None = None,
     ) -> None:
         self.journal = journal
         self.group_wait_s = group_wait_s
         self.inline_bytes_max = inline_bytes_max
+        self.inline_ok = inline_ok  # e.g. not while the entry logs flush: an fsync may stall then
         self.retry_interval_s = retry_interval_s
         self.on_error = on_error
         self.observe = observe
@@ -540,7 +543,7 @@ class JournalCommitter:
                 continue
             if self.group_wait_s > 0 and j.pending_bytes < j.group_bytes_max:
                 await asyncio.sleep(self.group_wait_s)  # the bounded group wait (a timer by design)
-            inline = j.pending_bytes <= self.inline_bytes_max
+            inline = j.pending_bytes <= self.inline_bytes_max and (self.inline_ok is None or self.inline_ok())
             group = j.take_group()
             start = time.perf_counter()
             try:

@@ -892,6 +892,7 @@ class Engine:
             on_error=self.io_failure,
             observe=self.metrics.journal_group,
             inline_bytes_max=cfg.journal_inline_sync_bytes,
+            inline_ok=lambda: not self._flush_lock.locked(),
         )
         self.committer.start()
         loop = asyncio.get_running_loop()
