@@ -456,6 +456,7 @@ class BookieClient:
         )
         self._stub = pb_grpc.BookieStub(self._channel)
         self._conn: _DataConnection | None = None
+        self._closed = False
         self._calls: set = set()  # unary calls not yet finished
 
     async def __aenter__(self) -> BookieClient:
@@ -467,6 +468,7 @@ class BookieClient:
     async def close(self) -> None:
         """Cancel every call still running and wait until gRPC has finished each (closing the
         channel alone cancels them but leaves their status tasks pending on the loop)."""
+        self._closed = True
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
@@ -659,7 +661,7 @@ class BookieClient:
             body = await self._call(wire.WRITE_LAC, lambda rid: wire.encode_write_lac(rid, ledger_id, term, lac, lafr), ledger_id)
             status, bookie_term, error = wire.decode_write_lac_answer(body)
         except BookieError as exc:
-            log.warning("LAC write ledger=%d term=%d failed: %s", ledger_id, term, exc)
+            (log.debug if self._closed else log.warning)("LAC write ledger=%d term=%d failed: %s", ledger_id, term, exc)
             return WriteFailed(self.bookie, ledger_id, lac, term)
         if status == Status.OK:
             return LacWritten(self.bookie, ledger_id, term)
