@@ -332,23 +332,15 @@ class DataConnection(asyncio.Protocol):
         t.add_done_callback(self.tasks.discard)
 
     async def _read_disk(self, rid: int, lid: int, steps, args, tail: bool) -> None:
-        e = self.engine
-        loop = asyncio.get_running_loop()
         try:
-            while True:
-                try:
-                    found = await loop.run_in_executor(e._read_pool, e.read_disk, *args)
-                except BaseException as exc:  # cancelled, or the disk failed: unpin on the way out
-                    steps.throw(exc)
-                    raise
-                args = steps.send(found)
-        except StopIteration as done:
-            self._answer_read(rid, lid, done.value, tail)
+            res = await self.engine.finish_range(steps, args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - answered with its status
             code, message = _status_of(exc)
             self._send(wire.encode_read_answer(rid, code, -1, -1, code, -1, False, (), message))
+            return
+        self._answer_read(rid, lid, res, tail)
 
     def _answer_read(self, rid: int, lid: int, res, tail: bool = False) -> None:
         st = self.engine.state(lid)

@@ -533,9 +533,18 @@ class Engine:
     async def aread_range(self, ledger_id: int, first: int, last: int, max_entries: int = 0, max_bytes: int = 0) -> ReadResult:
         """The same, with the disk parts in the read threads."""
         steps = self.range_steps(ledger_id, first, last, max_entries, max_bytes)
-        loop = asyncio.get_running_loop()
         try:
             args = next(steps)
+        except StopIteration as done:
+            return done.value
+        return await self.finish_range(steps, args)
+
+    async def finish_range(self, steps, args) -> ReadResult:
+        """Drive a started ``range_steps`` read whose next disk part is ``args`` to its result,
+        the disk parts in the read threads (a caller that served the memory part synchronously
+        continues here)."""
+        loop = asyncio.get_running_loop()
+        try:
             while True:
                 try:
                     found = await loop.run_in_executor(self._read_pool, self.read_disk, *args)
