@@ -379,6 +379,8 @@ class _DataConnection(asyncio.Protocol):
             self.watchdog = None
         if self.transport is not None:
             self.transport.close()
+            if not quiet:
+                self.client._forget_data_address()  # the bookie may come back on another data port
         if self.client._conn is self:
             self.client._conn = None
 

@@ -15,7 +15,7 @@ import pytest
 
 from bookie import digest, wire
 from bookie.client import UNAVAILABLE, BookieClient
-from bookie.errors import NoSuchLedgerError, Status
+from bookie.errors import BookieUnavailableError, NoSuchLedgerError, Status
 from bookie.proto import bookie_pb2 as pb
 from terms.messages import AddOk, AddRequest, FenceOk, InvalidTerm
 
@@ -212,3 +212,31 @@ def test_client_gives_up_cleanly_on_a_dead_port() -> None:
             assert type(await c.fence(1, 1)).__name__ == "FenceFailed"
 
     run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_client_follows_a_restarted_bookie_to_its_new_data_port(bookie_process) -> None:
+    """The data port is any free port by default, so a bookie that restarts on the same gRPC
+    address may serve data elsewhere: a client that lost its connection asks Info again."""
+    bp = bookie_process().start()
+
+    async def scenario() -> None:
+        async with BookieClient(bp.address, call_timeout_s=5) as c:
+            assert isinstance(await c.fence(3, 1), FenceOk)
+            assert isinstance(await c.add(AddRequest(3, 0, 1, -1, -1, b"before", truncate=True)), AddOk)
+            before = c.data_address
+            assert bp.terminate() == 0
+            bp.start()  # same gRPC port, a fresh data port
+            assert c.data_address is None or c.data_address == before  # forgotten once the connection broke
+            for _ in range(50):  # the first calls may fail while gRPC reconnects
+                try:
+                    got = await c.read(3, 0)
+                    break
+                except BookieUnavailableError:
+                    await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the client never found the restarted bookie")
+            assert got.entries[0].data == b"before"
+            assert c.data_address == f"127.0.0.1:{bp.data_port}"
+
+    run(scenario())
+    assert bp.terminate() == 0
