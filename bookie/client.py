@@ -221,6 +221,8 @@ class _DataConnection(asyncio.Protocol):
             self.fail(f"malformed answer from the bookie: {exc}")
             return
         for op, rid, body in frames:
+            if self.dead:
+                return
             try:
                 if op == wire.ADD | wire.ANSWER:
                     self._add_answered(rid, body)

@@ -204,6 +204,7 @@ class DataConnection(asyncio.Protocol):
         log.warning("data connection %s: malformed frame (%s): closing it", self._peer(), reason)
         self._send(wire.encode_error(rid, Status.BAD_REQUEST, f"malformed frame: {reason}"))
         self.close()
+        self.closed = True  # frames after it in the same read are not handled
 
     def _peer(self) -> str:
         try:
