@@ -90,6 +90,7 @@ class DataConnection(asyncio.Protocol):
         self.space_task: asyncio.Task | None = None
         self.tasks: set[asyncio.Task] = set()
         self.waits: set = set()  # (ledger id, future, timer) of parked long polls
+        self._unsynced: list = []  # adds of the frames being handled, answered once synced
 
     # ---------------------------------------------------------------- transport events
     def connection_made(self, transport) -> None:
@@ -134,14 +135,22 @@ class DataConnection(asyncio.Protocol):
             self.backlog.extend(frames)
             self._update_reading()
             return
-        for i, (op, rid, body) in enumerate(frames):
-            if self.closed:
-                return
-            if op == wire.ADD and self._held():
-                self.backlog.extend(frames[i:])
-                self._update_reading()
-                return
-            self._handle(op, rid, body)
+        committer = self.engine.committer
+        if committer is not None:
+            committer.hold()  # one journal commit for the whole read, right after it
+        try:
+            for i, (op, rid, body) in enumerate(frames):
+                if self.closed:
+                    return
+                if op == wire.ADD and self._held():
+                    self.backlog.extend(frames[i:])
+                    self._update_reading()
+                    return
+                self._handle(op, rid, body)
+        finally:
+            if committer is not None:
+                committer.release()
+            self._answer_unsynced()
 
     # ---------------------------------------------------------------- flow control
     def _held(self) -> bool:
@@ -163,12 +172,20 @@ class DataConnection(asyncio.Protocol):
         self._drain_backlog()
 
     def _drain_backlog(self) -> None:
-        while self.backlog and not self.closed:
-            op = self.backlog[0][0]
-            if op == wire.ADD and self._held():
-                break
-            op, rid, body = self.backlog.popleft()
-            self._handle(op, rid, body)
+        committer = self.engine.committer
+        if committer is not None:
+            committer.hold()
+        try:
+            while self.backlog and not self.closed:
+                op = self.backlog[0][0]
+                if op == wire.ADD and self._held():
+                    break
+                op, rid, body = self.backlog.popleft()
+                self._handle(op, rid, body)
+        finally:
+            if committer is not None:
+                committer.release()
+            self._answer_unsynced()
         self._update_reading()
 
     def _update_reading(self) -> None:
@@ -241,14 +258,24 @@ class DataConnection(asyncio.Protocol):
             code, message = _status_of(exc)
             self._send(wire.encode_add_answer(rid, n, [code] * n, [-1] * n, message))
             return
-        committer = self.engine.committer
-        fut = committer.wait_synced(outcome.seq) if outcome.seq > 0 and committer is not None else None
-        if fut is None:
+        if outcome.seq <= 0 or self.engine.committer is None:
             self._send(wire.encode_add_answer(rid, n, outcome.statuses, outcome.bookie_terms))
             return
-        self.inflight += 1
-        self.server.gauge(1)
-        fut.add_done_callback(lambda f: self._added(rid, n, outcome, f))
+        # answered after the read's journal commit (``_answer_unsynced``): most often synced by
+        # then, and answered with no future or callback in between
+        self._unsynced.append((rid, n, outcome))
+
+    def _answer_unsynced(self) -> None:
+        pending, self._unsynced = self._unsynced, []
+        committer = self.engine.committer
+        for rid, n, outcome in pending:
+            fut = committer.wait_synced(outcome.seq)
+            if fut is None:
+                self._send(wire.encode_add_answer(rid, n, outcome.statuses, outcome.bookie_terms))
+                continue
+            self.inflight += 1
+            self.server.gauge(1)
+            fut.add_done_callback(lambda f, rid=rid, n=n, outcome=outcome: self._added(rid, n, outcome, f))
 
     def _added(self, rid: int, n: int, outcome, fut: asyncio.Future) -> None:
         self.inflight -= 1

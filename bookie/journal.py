@@ -510,13 +510,51 @@ class JournalCommitter:
         self._closing = False
         self._writer = named_pool(1, "journal-writer")
         self._task: asyncio.Task | None = None
+        self._holds = 0  # callers between hold() and release(): appends wait for release
+        self._held_notify = False
+        self._writing = False  # a group is out in the writer thread
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="journal-committer")
 
     def notify(self) -> None:
         """Called after appends: there is something to commit."""
+        if self._holds:
+            self._held_notify = True
+            return
         self._wake.set()
+
+    def hold(self) -> None:
+        """A caller about to append several records in this loop turn (a read of frames) asks
+        for the commit to happen once, at ``release``, instead of waking the committer task."""
+        self._holds += 1
+
+    def release(self) -> None:
+        """End of a ``hold``: a small group is written and synced right now, synchronously (no
+        task switch, no future per waiter needed: ``synced_seq`` tells the caller); otherwise the
+        committer task is woken as usual."""
+        self._holds -= 1
+        if self._holds or not self._held_notify:
+            return
+        self._held_notify = False
+        if not self._sync_inline():
+            self._wake.set()
+
+    def _sync_inline(self) -> bool:
+        """Write and sync the buffered records here if that is allowed now; whether it was done."""
+        j = self.journal
+        if (self._writing or self.broken is not None or self.group_wait_s > 0 or not j.has_pending()
+                or j.pending_bytes > self.inline_bytes_max or (self.inline_ok is not None and not self.inline_ok())):
+            return False
+        group = j.take_group()
+        start = time.perf_counter()
+        try:
+            nbytes = j.write_group(group)
+        except OSError:
+            j.requeue(group)
+            return False  # the committer task retries, reports and fails the waiters
+        self._synced(group, start, nbytes)
+        return not j.has_pending()
 
     def retry_now(self) -> None:
         self._retry.set()
@@ -555,20 +593,28 @@ class JournalCommitter:
                     # arrive meanwhile form the next group.
                     nbytes = j.write_group(group)
                 else:
-                    nbytes = await loop.run_in_executor(self._writer, j.write_group, group)
+                    self._writing = True
+                    try:
+                        nbytes = await loop.run_in_executor(self._writer, j.write_group, group)
+                    finally:
+                        self._writing = False
             except OSError as exc:
                 j.requeue(group)
                 await self._failed(exc)
                 continue
-            j.mark_synced(group[-1][0])
-            if self.broken is not None:
-                log.info("journal: writes work again")
-                self.broken = None
-            if self.observe is not None:
-                self.observe(time.perf_counter() - start, nbytes, len(group))
-            self._resolve(j.synced_seq)
+            self._synced(group, start, nbytes)
             if j.has_pending():
                 self._wake.set()
+
+    def _synced(self, group, start: float, nbytes: int) -> None:
+        j = self.journal
+        j.mark_synced(group[-1][0])
+        if self.broken is not None:
+            log.info("journal: writes work again")
+            self.broken = None
+        if self.observe is not None:
+            self.observe(time.perf_counter() - start, nbytes, len(group))
+        self._resolve(j.synced_seq)
 
     def _resolve(self, synced: int) -> None:
         waiters = self._waiters

@@ -143,6 +143,34 @@ def test_small_groups_sync_on_the_loop_and_large_ones_in_the_writer_thread(tmp_p
     run(scenario())
 
 
+def test_records_appended_under_a_hold_are_synced_at_its_release(tmp_path: Path) -> None:
+    """A reader of frames holds the commit, appends, and releases: a small group is durable when
+    ``release`` returns (no task switch); a large one, or one during a thread write, is left to
+    the committer task."""
+    async def scenario() -> None:
+        j = make(tmp_path)
+        c = JournalCommitter(j, group_wait_s=0.0, retry_interval_s=0.05, on_error=lambda e: None, inline_bytes_max=4096)
+        c.start()
+        c.hold()
+        seqs = [j.append(1, b"h%d" % i) for i in range(3)]
+        c.notify()
+        assert j.synced_seq < seqs[-1]  # held: nothing written yet
+        c.release()
+        assert j.synced_seq >= seqs[-1]  # synced before release returned
+        assert c.wait_synced(seqs[-1]) is None
+        c.hold()
+        big = j.append(1, b"b" * 8000)
+        c.notify()
+        c.release()
+        assert j.synced_seq < big  # over the inline limit: the task's thread writes it
+        await c.wait_synced(big)
+        await c.close()
+        j.close()
+        assert [s for s, _b in bodies(tmp_path)] == [*seqs, big]
+
+    run(scenario())
+
+
 def test_a_failed_write_fails_waiters_keeps_records_and_retries_in_a_new_file(tmp_path: Path) -> None:
     async def scenario() -> None:
         j = make(tmp_path)
