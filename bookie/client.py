@@ -149,7 +149,7 @@ class _OpenBatch:
 
     def __init__(self) -> None:
         self.parts: list = []  # per add: ADD_HEAD, digest, data
-        self.waiters: list[tuple[asyncio.Future, int]] = []  # (future, count), in order
+        self.waiters: list[tuple] = []  # (future or callback, count), in order
         self.n = 0
         self.size = 0
         self.deadline = 0.0
@@ -235,16 +235,17 @@ class _DataConnection(asyncio.Protocol):
                 return
 
     # ---------------------------------------------------------------- adds
-    def enqueue(self, parts: list, k: int, size: int) -> asyncio.Future:
-        """Queue ``k`` encoded adds (``size`` bytes of ``parts``); one future answers them."""
+    def enqueue(self, parts: list, k: int, size: int, on_done=None) -> asyncio.Future | None:
+        """Queue ``k`` encoded adds (``size`` bytes of ``parts``); one future answers them, or
+        ``on_done(AddResults)``, called as the answer is read (no future, no loop hop)."""
         c = self.client
         ob = self.open[-1] if self.open else None
         if ob is None or ob.n + k > c.max_batch_adds or (ob.n and ob.size + size > c.max_batch_bytes):
             ob = _OpenBatch()
             self.open.append(ob)
-        fut = asyncio.get_running_loop().create_future()
+        fut = asyncio.get_running_loop().create_future() if on_done is None else None
         ob.parts += parts
-        ob.waiters.append((fut, k))
+        ob.waiters.append((fut if on_done is None else on_done, k))
         ob.n += k
         ob.size += size
         if self.transport is not None and len(self.adds) < c.max_inflight_batches:
@@ -273,20 +274,18 @@ class _DataConnection(asyncio.Protocol):
             log.warning("bookie %s answered unknown add batch %d", self.client.bookie, rid)
             return
         n, statuses, terms, error = wire.decode_add_answer(body)
+        if self.open:
+            self._pump()  # the freed slot first: callbacks below may queue more
         if statuses is None:
-            for fut, k in ob.waiters:
-                if not fut.done():
-                    fut.set_result(AddResults(k))
+            for w, k in ob.waiters:
+                _settle(w, AddResults(k), True)
         else:
             if len(statuses) != ob.n:
                 statuses, terms = [Status.INTERNAL] * ob.n, [-1] * ob.n
             start = 0
-            for fut, k in ob.waiters:
-                if not fut.done():
-                    fut.set_result(AddResults(k, statuses[start:start + k], terms[start:start + k], error))
+            for w, k in ob.waiters:
+                _settle(w, AddResults(k, statuses[start:start + k], terms[start:start + k], error), True)
                 start += k
-        if self.open:
-            self._pump()
 
     # ---------------------------------------------------------------- reads and LACs
     def call(self, op: int, frame_of, ledger_id: int, timeout_s: float) -> asyncio.Future:
@@ -322,9 +321,8 @@ class _DataConnection(asyncio.Protocol):
             return
         ob = self.adds.pop(rid, None)
         if ob is not None:
-            for fut, k in ob.waiters:
-                if not fut.done():
-                    fut.set_result(AddResults(k, [status] * k, [-1] * k, message))
+            for w, k in ob.waiters:
+                _settle(w, AddResults(k, [status] * k, [-1] * k, message), False)
             return
         self.fail(f"the bookie refused the connection: {message}")  # it closes the connection next
 
@@ -366,9 +364,8 @@ class _DataConnection(asyncio.Protocol):
         self.adds.clear()
         self.open.clear()
         for ob in batches:
-            for fut, k in ob.waiters:
-                if not fut.done():
-                    fut.set_result(AddResults(k, [UNAVAILABLE] * k, [-1] * k, reason))
+            for w, k in ob.waiters:
+                _settle(w, AddResults(k, [UNAVAILABLE] * k, [-1] * k, reason), False)
         calls, self.calls = list(self.calls.values()), {}
         for call in calls:
             if not call.fut.done():
@@ -392,6 +389,21 @@ class _DataConnection(asyncio.Protocol):
             self.connecting.cancel()
         with contextlib.suppress(BaseException):
             await self.connecting
+
+
+def _settle(waiter, results: AddResults, direct: bool) -> None:
+    """Answer one waiter of a batch: a future, or a callback (called now when ``direct``, else
+    on the next loop turn: failure paths must not re-enter the caller mid-way)."""
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():
+            waiter.set_result(results)
+    elif direct:
+        try:
+            waiter(results)
+        except Exception:  # a bug of the caller must not break the connection reading answers
+            log.exception("add answer callback failed")
+    else:
+        asyncio.get_running_loop().call_soon(waiter, results)
 
 
 def _describe(exc: BaseException) -> str:
@@ -499,19 +511,39 @@ class BookieClient:
 
     # ---------------------------------------------------------------- adds
 
-    def submit(self, reqs: Sequence[AddRequest]) -> asyncio.Future:
-        """Queue adds; the future resolves to ``AddResults`` (one status per add, in order)."""
-        return self.submit_columns(
+    def submit(self, reqs: Sequence[AddRequest], on_done=None) -> asyncio.Future | None:
+        """Queue adds; the future resolves to ``AddResults`` (one status per add, in order). With
+        ``on_done`` there is no future: ``on_done(AddResults)`` is called as the answer is read
+        (a failure of the connection calls it on the next loop turn)."""
+        if len(reqs) == 1:
+            return self._submit_one(reqs[0], on_done)
+        fut = self.submit_columns(
             [r.ledger_id for r in reqs], [r.entry_id for r in reqs], [r.term for r in reqs],
             [r.lac for r in reqs], [r.lafr for r in reqs], [r.data for r in reqs],
             truncates=[r.truncate for r in reqs], recoveries=[r.recovery for r in reqs],
-        ) if len(reqs) != 1 else self._submit_one(reqs[0])
+        )
+        if on_done is None:
+            return fut
+        n = len(reqs)
 
-    def _submit_one(self, r: AddRequest) -> asyncio.Future:
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                on_done(AddResults(n, [UNAVAILABLE] * n, [-1] * n, "submission failed"))
+            else:
+                on_done(f.result())
+
+        fut.add_done_callback(done)
+        return None
+
+    def _submit_one(self, r: AddRequest, on_done=None) -> asyncio.Future | None:
         """The common case on the hot path: one add (a writer's entry to one bookie)."""
         data = r.data
         if len(data) > self.max_entry_bytes:
-            return self._refuse(1, [0], f"entry over max_entry_bytes={self.max_entry_bytes}")
+            fut = self._refuse(1, [0], f"entry over max_entry_bytes={self.max_entry_bytes}")
+            if on_done is None:
+                return fut
+            asyncio.get_running_loop().call_soon(on_done, fut.result())
+            return None
         key = self._keys.get(r.ledger_id) if self._keys else None
         if key is None:
             dtype, dig = digests.DIGEST_CRC32C, digests.crc32c_digest(r.ledger_id, r.entry_id, data)
@@ -522,7 +554,7 @@ class BookieClient:
         conn = self._conn
         if conn is None or conn.dead:
             conn = self._connection()
-        return conn.enqueue([head, dig, data], 1, len(head) + len(dig) + len(data))
+        return conn.enqueue([head, dig, data], 1, len(head) + len(dig) + len(data), on_done)
 
     def submit_columns(self, ledger_ids, entry_ids, terms, lacs, lafrs, datas, truncates=None, recoveries=None) -> asyncio.Future:
         """The columnar form of ``submit`` (no AddRequest objects needed)."""

@@ -291,19 +291,11 @@ class WriterDriver:
         if client is None:
             self._feed_adds(w, [WriteFailed(bookie, r.ledger_id, r.entry_id, r.term) for r in reqs], sends)
             return
-        fut = client.submit(reqs)
 
-        def done(f: asyncio.Future) -> None:
-            if f.cancelled():
-                return
-            exc = f.exception()
-            if exc is not None:
-                events = [WriteFailed(bookie, r.ledger_id, r.entry_id, r.term) for r in reqs]
-            else:
-                events = f.result().events(reqs, bookie)
-            self._feed_adds(w, events, sends)
+        def done(results) -> None:  # called as the answer is read: no future, no loop hop
+            self._feed_adds(w, results.events(reqs, bookie), sends)
 
-        fut.add_done_callback(done)
+        client.submit(reqs, on_done=done)
 
     def _feed_adds(self, w: LedgerWriter, events, sends: list[SendAdd]) -> None:
         w.advance_clock(self._now())
