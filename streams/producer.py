@@ -284,6 +284,7 @@ class Producer:
             self._seal()
         # else: it is sent when an in-flight batch is acknowledged (``_acked``)
         self._pump()
+        self._driver.flush_adds_now()  # the loop is idle: nothing else comes this turn
 
     def _pump(self) -> None:
         """Hand sealed batches to the writer, in order, while in-flight space allows."""
