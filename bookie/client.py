@@ -290,6 +290,8 @@ class _DataConnection(asyncio.Protocol):
     # ---------------------------------------------------------------- reads and LACs
     def call(self, op: int, frame_of, ledger_id: int, timeout_s: float) -> asyncio.Future:
         """Send one request (``frame_of(rid)`` builds it); the future gets the answer's body."""
+        if self.dead:
+            raise BookieUnavailableError(f"bookie {self.client.bookie}: the data connection is closed")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         rid = self._rid()
