@@ -546,17 +546,12 @@ class BookieClient:
                 return fut
             asyncio.get_running_loop().call_soon(on_done, fut.result())
             return None
-        key = self._keys.get(r.ledger_id) if self._keys else None
-        if key is None:
-            dtype, dig = digests.DIGEST_CRC32C, digests.crc32c_digest(r.ledger_id, r.entry_id, data)
-        else:
-            dtype, dig = digests.DIGEST_MAC, digests.mac_digest(key, r.ledger_id, r.entry_id, data)
-        flags = (wire.FLAG_TRUNCATE if r.truncate else 0) | (wire.FLAG_RECOVERY if r.recovery else 0)
-        head = wire.ADD_HEAD.pack(r.ledger_id, r.entry_id, r.term, r.lac, r.lafr, flags, dtype, len(dig), len(data))
+        dtype, dig = self._digest(r.ledger_id, r.entry_id, data)
+        parts, size = wire.add_entry(r.ledger_id, r.entry_id, r.term, r.lac, r.lafr, r.truncate, r.recovery, dtype, dig, data)
         conn = self._conn
         if conn is None or conn.dead:
             conn = self._connection()
-        return conn.enqueue([head, dig, data], 1, len(head) + len(dig) + len(data), on_done)
+        return conn.enqueue(parts, 1, size, on_done)
 
     def submit_columns(self, ledger_ids, entry_ids, terms, lacs, lafrs, datas, truncates=None, recoveries=None) -> asyncio.Future:
         """The columnar form of ``submit`` (no AddRequest objects needed)."""
@@ -565,19 +560,15 @@ class BookieClient:
         if too_big:
             return self._refuse(n, too_big, f"entry over max_entry_bytes={self.max_entry_bytes}")
         dtypes, digest_col = self._digests(ledger_ids, entry_ids, datas)
-        flagged = truncates is not None or recoveries is not None
         truncates = truncates if truncates is not None else [False] * n
         recoveries = recoveries if recoveries is not None else [False] * n
-        pack = wire.ADD_HEAD.pack
         parts: list = []
         sizes: list[int] = []
         for i in range(n):
-            flags = ((wire.FLAG_TRUNCATE if truncates[i] else 0) | (wire.FLAG_RECOVERY if recoveries[i] else 0)
-                     if flagged else 0)
-            d, dig = datas[i], digest_col[i]
-            head = pack(ledger_ids[i], entry_ids[i], terms[i], lacs[i], lafrs[i], flags, dtypes[i], len(dig), len(d))
-            parts += (head, dig, d)
-            sizes.append(len(head) + len(dig) + len(d))
+            add, size = wire.add_entry(ledger_ids[i], entry_ids[i], terms[i], lacs[i], lafrs[i], truncates[i],
+                                       recoveries[i], dtypes[i], digest_col[i], datas[i])
+            parts += add
+            sizes.append(size)
         conn = self._connection()
         chunks = list(self._chunks(datas))
         if len(chunks) == 1:
@@ -628,17 +619,19 @@ class BookieClient:
             nbytes += len(d)
         yield start, len(datas), nbytes
 
+    def _digest(self, ledger_id: int, entry_id: int, data) -> tuple[int, bytes]:
+        """(digest type, digest) of one add: the ledger's MAC when it has a password, else CRC32C."""
+        key = self._keys.get(ledger_id) if self._keys else None
+        if key is None:
+            return digests.DIGEST_CRC32C, digests.crc32c_digest(ledger_id, entry_id, data)
+        return digests.DIGEST_MAC, digests.mac_digest(key, ledger_id, entry_id, data)
+
     def _digests(self, ledger_ids, entry_ids, datas) -> tuple[list[int], list[bytes]]:
-        keys = self._keys
-        crc = digests.crc32c_digest
-        if not keys:
+        if not self._keys:
+            crc = digests.crc32c_digest
             return [0] * len(ledger_ids), [crc(lid, eid, d) for lid, eid, d in zip(ledger_ids, entry_ids, datas)]
-        dtypes, out = [], []
-        for lid, eid, d in zip(ledger_ids, entry_ids, datas):
-            key = keys.get(lid)
-            dtypes.append(digests.DIGEST_MAC if key else digests.DIGEST_CRC32C)
-            out.append(digests.mac_digest(key, lid, eid, d) if key else crc(lid, eid, d))
-        return dtypes, out
+        pairs = [self._digest(lid, eid, d) for lid, eid, d in zip(ledger_ids, entry_ids, datas)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def _refuse(self, n: int, bad: list[int], reason: str) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()

@@ -158,7 +158,7 @@ class DataConnection(asyncio.Protocol):
         e = self.engine
         if self.write_paused or self.inflight >= e.config.max_inflight_batches_per_stream:
             return True
-        if e.write_cache.bytes >= e.config.write_cache_bytes and e.read_only_reason is None and not e._closing:
+        if e.adds_must_wait():
             if self.space_task is None:
                 self.space_task = asyncio.get_running_loop().create_task(self._wait_space())
             return True

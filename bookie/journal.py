@@ -543,8 +543,8 @@ class JournalCommitter:
     def _sync_inline(self) -> bool:
         """Write and sync the buffered records here if that is allowed now; whether it was done."""
         j = self.journal
-        if (self._writing or self.broken is not None or self.group_wait_s > 0 or not j.has_pending()
-                or j.pending_bytes > self.inline_bytes_max or (self.inline_ok is not None and not self.inline_ok())):
+        # a group out in the writer thread must finish first: two writers would interleave frames
+        if self._writing or self.broken is not None or self.group_wait_s > 0 or not j.has_pending() or not self._small():
             return False
         group = j.take_group()
         start = time.perf_counter()
@@ -581,7 +581,7 @@ class JournalCommitter:
                 continue
             if self.group_wait_s > 0 and j.pending_bytes < j.group_bytes_max:
                 await asyncio.sleep(self.group_wait_s)  # the bounded group wait (a timer by design)
-            inline = j.pending_bytes <= self.inline_bytes_max and (self.inline_ok is None or self.inline_ok())
+            inline = self._small()
             group = j.take_group()
             start = time.perf_counter()
             try:
@@ -605,6 +605,10 @@ class JournalCommitter:
             self._synced(group, start, nbytes)
             if j.has_pending():
                 self._wake.set()
+
+    def _small(self) -> bool:
+        """Whether what is buffered may be written and synced on the event loop now."""
+        return self.journal.pending_bytes <= self.inline_bytes_max and (self.inline_ok is None or self.inline_ok())
 
     def _synced(self, group, start: float, nbytes: int) -> None:
         j = self.journal

@@ -918,11 +918,15 @@ class Engine:
         if fut is not None:
             await fut
 
+    def adds_must_wait(self) -> bool:
+        """Back-pressure: the write cache is full (a read-only or closing bookie answers at once
+        instead of holding its clients)."""
+        return (self.write_cache.bytes >= self.config.write_cache_bytes and not self._closing
+                and self.read_only_reason is None)
+
     async def wait_for_space(self) -> None:
-        """Back-pressure: hold new adds while the write cache is full, until a flush frees it."""
-        limit = self.config.write_cache_bytes
-        # a read-only bookie answers READ_ONLY at once instead of holding the stream
-        while self.write_cache.bytes >= limit and not self._closing and self.read_only_reason is None:
+        """Hold new adds while ``adds_must_wait``, until a flush frees the write cache."""
+        while self.adds_must_wait():
             self._space.clear()
             self._flush_wanted.set()
             await self._space.wait()

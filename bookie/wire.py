@@ -81,27 +81,17 @@ def read_text(buf: memoryview, off: int) -> tuple[str, int]:
 # ------------------------------------------------------------------------------ adds
 
 
-def encode_add(rid: int, cols, flags_any: bool) -> list:
-    """One ADD frame from columns (ledger ids, entry ids, terms, lacs, lafrs, truncates,
-    recoveries, digest types, digests, datas): a list of buffers for ``writelines``."""
-    ledger_ids, entry_ids, terms, lacs, lafrs, truncates, recoveries, dtypes, digests, datas = cols
-    n = len(ledger_ids)
-    parts: list = [b"", COUNT.pack(n)]
-    size = COUNT.size
-    pack = ADD_HEAD.pack
-    for i in range(n):
-        flags = (FLAG_TRUNCATE if truncates[i] else 0) | (FLAG_RECOVERY if recoveries[i] else 0) if flags_any else 0
-        d, data = digests[i], datas[i]
-        parts.append(pack(ledger_ids[i], entry_ids[i], terms[i], lacs[i], lafrs[i], flags, dtypes[i], len(d), len(data)))
-        parts.append(d)
-        parts.append(data)
-        size += ADD_HEAD.size + len(d) + len(data)
-    parts[0] = frame_head(ADD, rid, size)
-    return parts
+def add_entry(ledger_id: int, entry_id: int, term: int, lac: int, lafr: int, truncate: bool, recovery: bool,
+              digest_type: int, digest, data) -> tuple[list, int]:
+    """One add of an ADD frame: its parts (``ADD_HEAD``, digest, data) and their size."""
+    flags = (FLAG_TRUNCATE if truncate else 0) | (FLAG_RECOVERY if recovery else 0)
+    head = ADD_HEAD.pack(ledger_id, entry_id, term, lac, lafr, flags, digest_type, len(digest), len(data))
+    return [head, digest, data], ADD_HEAD.size + len(digest) + len(data)
 
 
 def add_frame(rid: int, n: int, size: int, parts: list) -> list:
-    """An ADD frame around ``parts`` (each add's ``ADD_HEAD``, digest and data, ``size`` bytes)."""
+    """An ADD frame around the ``parts`` of ``n`` adds (``add_entry``; ``size`` bytes in all), as
+    buffers for ``writelines``."""
     return [frame_head(ADD, rid, COUNT.size + size) + COUNT.pack(n), *parts]
 
 

@@ -171,6 +171,44 @@ def test_records_appended_under_a_hold_are_synced_at_its_release(tmp_path: Path)
     run(scenario())
 
 
+def test_a_release_during_a_thread_write_leaves_the_small_group_to_the_committer(tmp_path: Path) -> None:
+    """The race: a large group is out in the writer thread when a reader of frames releases its
+    hold on a small one. Writing the small group there and then would interleave with the thread's
+    write; it must wait, and go out after, in order."""
+    async def scenario() -> None:
+        j = make(tmp_path)
+        in_thread, let_go = threading.Event(), threading.Event()
+        real = j.write_group
+        written: list[list[int]] = []
+
+        def paused(group):
+            if threading.current_thread() is not threading.main_thread():
+                in_thread.set()
+                let_go.wait(10)
+            written.append([seq for seq, *_ in group])
+            return real(group)
+
+        j.write_group = paused
+        c = JournalCommitter(j, group_wait_s=0.0, retry_interval_s=0.05, on_error=lambda e: None, inline_bytes_max=4096)
+        c.start()
+        big = j.append(1, b"b" * 8000)
+        c.notify()
+        await asyncio.get_running_loop().run_in_executor(None, in_thread.wait, 10)  # the thread holds the big group
+        c.hold()
+        small = j.append(1, b"s")
+        c.notify()
+        c.release()
+        assert written == [] and j.synced_seq < big  # nothing written on the loop meanwhile
+        let_go.set()
+        await c.wait_synced(small)
+        assert written == [[big], [small]]
+        await c.close()
+        j.close()
+        assert [s for s, _b in bodies(tmp_path)] == [big, small]
+
+    run(scenario())
+
+
 def test_a_failed_write_fails_waiters_keeps_records_and_retries_in_a_new_file(tmp_path: Path) -> None:
     async def scenario() -> None:
         j = make(tmp_path)

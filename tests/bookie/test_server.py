@@ -222,3 +222,30 @@ def test_a_tail_read_waits_for_the_lac_and_answers_the_entries_up_to_it(tmp_path
                 await c.read_tail(77, 0, 10)
 
     run(scenario())
+
+
+def test_a_full_write_cache_holds_a_data_connection_until_a_flush_frees_it(tmp_path: Path) -> None:
+    """Back-pressure on the data plane: while the write cache is full the bookie stops taking adds
+    from the connection (they wait, in order, unanswered); once a flush frees space they are
+    applied and answered."""
+    async def scenario() -> None:
+        async with serving(tmp_path, write_cache_bytes=512 * 1024) as (server, c):
+            e = server.engine
+            assert (await c.submit([AddRequest(1, 0, 1, -1, -1, b"noop", truncate=True)])).all_ok
+            async with e._flush_lock:  # no flush can run: the cache fills and stays full
+                eid = 1
+                while not e.adds_must_wait():
+                    assert (await c.submit(entries(1, range(eid, eid + 8), 1, tag=b"x" * 8000))).all_ok
+                    eid += 8
+                held = c.submit(entries(1, [eid, eid + 1], 1))
+                conn = next(iter(server.data.connections))
+                for _ in range(100_000):  # until the frame arrived and was held back (or answered: wrong)
+                    if conn.backlog or held.done():
+                        break
+                    await asyncio.sleep(0)
+                assert conn.backlog and not held.done() and not e.read_range(1, eid, eid).entries  # not applied either
+            res = await held  # the flush loop (woken by the wait for space) frees the cache
+            assert res.all_ok
+            assert [x.entry_id for x in (await c.read(1, eid, eid + 1)).entries] == [eid, eid + 1]
+
+    run(scenario())
