@@ -353,6 +353,7 @@ class Broker:
                 except Exception as exc:
                     self._log_error("produce", t.name, p.index, exc)
                     results[(t.name, p.index)] = (exc, -1, -1)
+        codec.effects_applied()  # offsets assigned and entries queued: the next request may go on
         for name, index, base, futs, plog in pending:
             results[(name, index)] = await self._await_acks(futs, base, plog, timeout_s)
             if results[(name, index)][0] is not None:

@@ -100,6 +100,26 @@ def set_client_id(client_id: str | None) -> None:
 def current_client_id() -> str | None:
     return _CLIENT_ID.get()
 
+
+# Requests of one connection take effect in the order sent (as in Kafka, which handles one request
+# of a connection at a time): the server starts a request's handler only once the previous one has
+# applied its effects. By default that is when the handler returns; a handler whose answer waits on
+# something that does not change state (a produce's acknowledgements, a fetch's long poll) calls
+# ``effects_applied()`` first, so the next request is handled meanwhile. Set per request (its task's
+# own context) by the server.
+_APPLIED: contextvars.ContextVar[Any] = contextvars.ContextVar("kafka_effects_applied", default=None)
+
+
+def set_effects_applied_callback(callback) -> None:
+    _APPLIED.set(callback)
+
+
+def effects_applied() -> None:
+    """The request being handled has made every change it will make: the next one may start."""
+    cb = _APPLIED.get()
+    if cb is not None:
+        cb()
+
 MAX_FRAME_BYTES = 64 << 20
 _SIZE = struct.Struct(">i")
 _PREFIX = struct.Struct(">hhi")  # api key, api version, correlation id

@@ -2,9 +2,13 @@
 
 How this works. Each connection has a reader loop and a writer loop. The reader takes frames off
 the socket (refusing one over ``max_frame_bytes`` before reading it), decodes each, starts its
-handler as a task right away (so pipelined requests run concurrently) and queues the task; the
-writer awaits the queued tasks in order and writes their responses, so answers leave in request
-order whatever order the handlers finish in. An acks=0 produce is handled but answered with
+handler as a task and queues the task; the writer awaits the queued tasks in order and writes their
+responses, so answers leave in request order. Requests also *take effect* in the order sent, as in
+Kafka: the reader starts the next handler only once the previous one has applied its effects — when
+it returned, or earlier when it called ``codec.effects_applied()`` before a wait that changes
+nothing (a produce waiting for its acknowledgements, a fetch's long poll). So 50 pipelined
+OffsetCommits are applied one after another and the last one sent is the one that stays, while
+pipelined produces still overlap their replication. An acks=0 produce is handled but answered with
 nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
 version) closes that connection, as a Kafka broker does; an ApiVersions request above our range
 is answered (v0, UNSUPPORTED_VERSION) instead. Other connections are not affected.
@@ -132,10 +136,21 @@ class KafkaServer:
                     raise
                 await queue.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
                 continue
-            await queue.put(asyncio.create_task(self._respond(req)))
+            applied = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._respond(req, applied))
+            await queue.put(task)
+            await applied  # in order: the next request is handled once this one took effect
 
-    async def _respond(self, req: codec.Request) -> bytes | None:
-        body = await self.broker.handle(req)
+    async def _respond(self, req: codec.Request, applied: asyncio.Future) -> bytes | None:
+        def done() -> None:
+            if not applied.done():
+                applied.set_result(None)
+
+        codec.set_effects_applied_callback(done)
+        try:
+            body = await self.broker.handle(req)
+        finally:
+            done()
         return None if body is None else codec.encode_response(req.correlation_id, body)
 
     async def _send_loop(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:

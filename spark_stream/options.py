@@ -16,11 +16,22 @@ The option names and meanings mirror Spark's Kafka source:
 ``startingOffsets``    ``earliest`` | ``latest`` | JSON of record offsets, by stream ``{"orders": 42}`` or by
                        topic and partition ``{"orders": {"0": 42, "1": 7}}`` (-2 earliest, -1 latest)
 ``endingOffsets``      batch only: ``latest`` | JSON as above (exclusive; -1 latest)
+``startingTimestamp``  epoch ms: start every stream at its first record whose timestamp is >= it
+``startingOffsetsByTimestamp`` JSON of epoch ms, by stream or by topic and partition as above
+``startingOffsetsByTimestampStrategy`` ``error`` (default) | ``latest``: when a stream has no record at or
+                       after its timestamp, fail the query, or start at the end
+``endingTimestamp``    batch only: end every stream before its first record whose timestamp is >= it
+``endingOffsetsByTimestamp`` batch only: JSON of epoch ms as above (no such record: the end)
 ``maxRecordsPerTrigger`` streaming admission control: records per micro-batch
 ``failOnDataLoss``     ``true`` (default) | ``false``
 ``minPartitions``      split large ranges so at least this many tasks read in parallel
 ``includeHeaders``     ``false`` (default) | ``true``: add the ``headers`` column
 =====================  ==========================================================================
+
+As in Spark's Kafka source, ``startingTimestamp`` wins over ``startingOffsetsByTimestamp``, which wins
+over ``startingOffsets`` (the same for the ending options), and a timestamp finds the first *record*
+whose timestamp is >= it (``Consumer.seek_timestamp``), not the first record of the batch holding it.
+Streams a by-timestamp JSON leaves out start (end) as ``startingOffsets`` (``endingOffsets``) says.
 """
 
 from __future__ import annotations
@@ -137,6 +148,42 @@ def parse_offsets(name: str, value: str | None, default: str, allowed_words: tup
 
 
 _SOURCES = ("topics", "topicPattern", "streams", "streamPattern")
+TS_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class ByTimestamp:
+    """Offsets to be found by record timestamp (epoch ms): ``every`` for every stream, else
+    ``per_stream`` (streams left out get ``fallback``, an offsets spec); ``if_none``: ``error`` or
+    ``latest`` when a stream has no record at or after its timestamp."""
+
+    every: int | None
+    per_stream: dict[str, int]
+    fallback: str | dict[str, int]
+    if_none: str
+
+
+def _timestamp(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ScrollOptionError(f"option {name!r}: a timestamp must be an integer >= 0 (epoch ms), got {v!r}")
+    return v
+
+
+def parse_by_timestamp(options: Mapping[str, str], prefix: str, fallback, if_none: str) -> ByTimestamp | None:
+    """``<prefix>Timestamp`` / ``<prefix>OffsetsByTimestamp`` (``prefix`` starting or ending), or None."""
+    every = _get(options, f"{prefix}Timestamp")
+    if every is not None:
+        try:
+            n = int(str(every).strip())
+        except ValueError:
+            raise ScrollOptionError(f"option '{prefix}Timestamp' must be an integer (epoch ms), got {every!r}") from None
+        return ByTimestamp(_timestamp(f"{prefix}Timestamp", n), {}, fallback, if_none)
+    raw = _get(options, f"{prefix}OffsetsByTimestamp")
+    if raw is None:
+        return None
+    name = f"{prefix}OffsetsByTimestamp"
+    parsed = parse_offsets(name, raw, "", ())
+    return ByTimestamp(None, {s: _timestamp(name, v) for s, v in parsed.items()}, fallback, if_none)
 
 
 @dataclass(frozen=True)
@@ -146,8 +193,8 @@ class ReadOptions:
     topic_pattern: str | None
     streams: tuple[str, ...] | None
     pattern: str | None
-    starting: str | dict[str, int]
-    ending: str | dict[str, int]
+    starting: str | dict[str, int] | ByTimestamp
+    ending: str | dict[str, int] | ByTimestamp
     max_records_per_trigger: int | None
     fail_on_data_loss: bool
     min_partitions: int | None
@@ -188,6 +235,17 @@ class ReadOptions:
                 raise ScrollOptionError("option 'startingOffsets': -1 (latest) is not allowed in batch queries")
             if isinstance(ending, dict) and JSON_EARLIEST in ending.values():
                 raise ScrollOptionError("option 'endingOffsets': -2 (earliest) is not allowed")
+        strategy = (_get(options, "startingOffsetsByTimestampStrategy") or TS_ERROR).strip().lower()
+        if strategy not in (TS_ERROR, LATEST):
+            raise ScrollOptionError("option 'startingOffsetsByTimestampStrategy' must be error or latest, "
+                                    f"got {strategy!r}")
+        starting = parse_by_timestamp(options, "starting", starting, strategy) or starting
+        if streaming:
+            if _get(options, "endingTimestamp") is not None or _get(options, "endingOffsetsByTimestamp") is not None:
+                raise ScrollOptionError("options 'endingTimestamp' and 'endingOffsetsByTimestamp' are for batch "
+                                        "queries only")
+        else:
+            ending = parse_by_timestamp(options, "ending", ending, LATEST) or ending
         return cls(
             metadata=metadata,
             topics=names("topics"),

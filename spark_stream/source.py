@@ -58,7 +58,17 @@ from streams.consumer import LATEST as C_LATEST
 from streams.errors import DataRemovedError, NoSuchStream, NoSuchTopic
 from streams.topics import stream_partition
 
-from .options import EARLIEST, JSON_EARLIEST, JSON_LATEST, LATEST, STAGING_PREFIX, ReadOptions
+from .options import (
+    EARLIEST,
+    JSON_EARLIEST,
+    JSON_LATEST,
+    LATEST,
+    STAGING_PREFIX,
+    TS_ERROR,
+    ByTimestamp,
+    ReadOptions,
+    ScrollOptionError,
+)
 from .runtime import runtime
 
 log = logging.getLogger("spark_stream")
@@ -227,7 +237,9 @@ class _Planner:
 
     def resolve(self, spec, bounds, default_missing: str) -> dict[str, int]:
         """Offsets for ``earliest``/``latest``/JSON ``spec`` (JSON -2/-1; a stream the JSON leaves
-        out gets ``default_missing``)."""
+        out gets ``default_missing``), or found by timestamp (``ByTimestamp``)."""
+        if isinstance(spec, ByTimestamp):
+            return self._by_timestamp(spec, bounds, default_missing)
         out = {}
         for s, (earliest, end, _) in bounds.items():
             v = spec if isinstance(spec, str) else spec.get(s, JSON_EARLIEST if default_missing == EARLIEST
@@ -238,6 +250,30 @@ class _Planner:
                 out[s] = end
             else:
                 out[s] = int(v)
+        return out
+
+    def _by_timestamp(self, spec: ByTimestamp, bounds, default_missing: str) -> dict[str, int]:
+        """Each stream's first record whose timestamp is >= its timestamp (record-exact, not the
+        first record of the batch holding it); a stream without one gets its end (``if_none``
+        latest) or fails the query (``error``)."""
+        wanted = {s: spec.every if spec.every is not None else spec.per_stream.get(s) for s in bounds}
+        out = self.resolve(spec.fallback, {s: b for s, b in bounds.items() if wanted[s] is None}, default_missing)
+
+        async def one(name: str, ts: int) -> tuple[str, int, bool]:
+            c = await self.client.consumer(name, start=C_LATEST)
+            end = c.position
+            offset = await c.seek_timestamp(ts)
+            return name, offset, offset < end
+
+        async def all_():
+            return await asyncio.gather(*(one(s, ts) for s, ts in wanted.items() if ts is not None))
+
+        for name, offset, found in self.rt.run(all_(), timeout=120):
+            if not found and spec.if_none == TS_ERROR:
+                raise ScrollOptionError(
+                    f"stream {name!r} has no record with a timestamp >= {wanted[name]} (set "
+                    "startingOffsetsByTimestampStrategy to latest to start such streams at their end)")
+            out[name] = max(offset, bounds[name][0]) if found else bounds[name][1]
         return out
 
     def check_loss(self, stream: str, offset: int, earliest: int) -> int:
@@ -276,6 +312,8 @@ class ScrollBatchReader(DataSourceReader):
         return parts
 
     def read(self, partition):
+        if not isinstance(partition, ScrollPartition):  # nothing to read: Spark's one default partition
+            return iter(())
         return read_partition(partition)
 
 

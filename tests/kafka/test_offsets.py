@@ -60,3 +60,34 @@ def test_take_over_recovers_dense_offsets(shim, kafka_cluster, topic):
     kcat("-P", "-t", topic, input="e\n")
     out = kcat("-C", "-t", topic, "-e", "-f", "%s@%o\n")
     assert out.splitlines() == ["a@0", "b@1", "c@2", "d@3", "e@4"]
+
+
+@pytest.mark.parametrize("codec", ["none", "lz4"])
+def test_list_offsets_by_timestamp_finds_the_record_not_its_batch(shim, topic, codec):
+    """Kafka answers the offset of the first *record* whose timestamp is >= the target, even when it
+    sits in the middle of a (compressed) batch, and -1 when no record is that late."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    p = Producer({"bootstrap.servers": shim.bootstrap, "linger.ms": 1000, "compression.type": codec,
+                  "batch.num.messages": 1000})
+    base = 1_600_000_000_000
+    for batch in range(3):  # three flushes: three batches of 10 records, timestamps 10 ms apart
+        for i in range(10):
+            n = batch * 10 + i
+            p.produce(topic, value=b"v%d" % n, timestamp=base + 10 * n)
+        p.flush(30)
+    c = Consumer({"bootstrap.servers": shim.bootstrap, "group.id": f"g-{topic}"})
+    try:
+        def lookup(ts):
+            got = c.offsets_for_times([TopicPartition(topic, 0, ts)], timeout=30)[0]
+            assert got.error is None
+            return got.offset
+
+        assert lookup(base - 1) == 0
+        assert lookup(base + 10 * 4) == 4  # inside the first batch
+        assert lookup(base + 10 * 4 + 1) == 5  # between two records
+        assert lookup(base + 10 * 15) == 15  # inside the second batch
+        assert lookup(base + 10 * 29) == 29
+        assert lookup(base + 10 * 29 + 1) == -1  # no record that late
+    finally:
+        c.close()

@@ -57,6 +57,17 @@ def test_batch_read_equals_what_was_produced(spark, spark_cluster, stream_name):
     part = _reader(spark, url, topics=stream_name, startingOffsets=json.dumps({stream_name: {"0": 12}}),
                    endingOffsets=json.dumps({stream_name: {"0": 14}}))
     assert sorted(r.offset for r in part.collect()) == [12, 13]
+    # by timestamp, as Spark's Kafka source: the first *record* at or after it, inside a batch too
+    base = 1_700_000_000_000
+    part = _reader(spark, url, streams=stream_name, startingTimestamp=str(base + 7),
+                   endingOffsetsByTimestamp=json.dumps({stream_name: base + 33}))
+    assert sorted(r.offset for r in part.collect()) == list(range(7, 33))
+    part = _reader(spark, url, topics=stream_name, startingOffsetsByTimestamp=json.dumps({stream_name: {"0": base + 41}}))
+    assert sorted(r.offset for r in part.collect()) == list(range(41, 50))
+    with pytest.raises(Exception, match="no record with a timestamp >= 1700000001000"):
+        _reader(spark, url, streams=stream_name, startingTimestamp=str(base + 1000)).collect()
+    assert _reader(spark, url, streams=stream_name, startingTimestamp=str(base + 1000),
+                   startingOffsetsByTimestampStrategy="latest").collect() == []
 
 
 def test_topic_with_partitions_reads_every_partition(spark, spark_cluster, sclient, stream_name):
