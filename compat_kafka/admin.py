@@ -26,7 +26,10 @@ names this shim, controller included.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import time
 from collections.abc import Callable
 
 from kio.schema.errors import ErrorCode
@@ -37,13 +40,22 @@ from streams.topics import TopicMeta, partition_stream, topic_key
 
 from . import codec
 from .codec import ZERO_MS, build, nested
-from .errors import InvalidPartitions, InvalidRequest, KafkaError, UnknownTopicOrPartition, code_for
+from .errors import (
+    InvalidPartitions,
+    InvalidRequest,
+    KafkaError,
+    OffsetOutOfRange,
+    UnknownTopicOrPartition,
+    code_for,
+)
 
 log = logging.getLogger(__name__)
 
 RESOURCE_TOPIC = 2
 RESOURCE_BROKER = 4
 SOURCE_DYNAMIC_TOPIC = 1
+SOURCE_DYNAMIC_BROKER = 2
+SOURCE_DYNAMIC_DEFAULT_BROKER = 3
 SOURCE_STATIC_BROKER = 4
 SOURCE_DEFAULT = 5
 T_BOOLEAN, T_STRING, T_INT, T_SHORT, T_LONG, T_DOUBLE, T_LIST = 1, 2, 3, 4, 5, 6, 7
@@ -117,6 +129,53 @@ _TYPE_NAMES = {T_BOOLEAN: "boolean", T_STRING: "string", T_INT: "int", T_SHORT: 
                T_DOUBLE: "double", T_LIST: "list"}
 
 
+# Dynamic broker settings (AlterConfigs / IncrementalAlterConfigs on the broker resource), kept in
+# the metadata store: ``kafka/broker-configs/default`` for the cluster default (resource name "")
+# and ``kafka/broker-configs/<node id>`` for one listener, JSON {name: value}. A listener reads them
+# again at most every ``DYNAMIC_TTL_S`` when it needs one. Every other broker setting is static
+# (INVALID_REQUEST, as Kafka answers for a setting it cannot change dynamically); an unknown name
+# is INVALID_CONFIG.
+BROKER_CONFIGS = "kafka/broker-configs/"
+DYNAMIC_TTL_S = 1.0
+BROKER_DYNAMIC_TYPES: dict[str, int] = {
+    "log.retention.ms": T_LONG,  # the retention.ms of topics that set none
+    "log.retention.bytes": T_LONG,  # the retention.bytes of topics that set none
+    "num.partitions": T_INT,  # partitions of an auto-created topic (and CreateTopics with -1)
+    "auto.create.topics.enable": T_BOOLEAN,  # Metadata creates topics it is asked for
+}
+# broker log.* default -> the topic config it is the default of
+TOPIC_DEFAULT_OF = {"log.retention.ms": "retention.ms", "log.retention.bytes": "retention.bytes"}
+
+
+def check_broker_configs(configs: dict[str, str | None], max_partitions: int, static: set[str]) -> dict[str, str]:
+    """Validated dynamic broker settings (None values dropped)."""
+    out = {}
+    for name, value in configs.items():
+        if value is None:
+            continue
+        kind = BROKER_DYNAMIC_TYPES.get(name)
+        if kind is None:
+            if name in static:
+                raise InvalidRequest(f"broker config {name} cannot be changed dynamically (set it on the command "
+                                     f"line); dynamic ones: {', '.join(sorted(BROKER_DYNAMIC_TYPES))}")
+            raise InvalidConfig(f"unknown broker config {name!r}")
+        try:
+            if kind == T_BOOLEAN:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                value = value.lower()
+            else:
+                n = int(value)
+                if name == "num.partitions" and not 1 <= n <= max_partitions:
+                    raise InvalidConfig(f"num.partitions must be 1..{max_partitions}, not {n}")
+                if name.startswith("log.retention.") and n < -1:
+                    raise InvalidConfig(f"{name} must be -1 (no limit) or >= 0, not {n}")
+        except ValueError:
+            raise InvalidConfig(f"config {name}: {value!r} is not a valid {_TYPE_NAMES[kind]}") from None
+        out[name] = value
+    return out
+
+
 def retention_policy(configs: dict[str, str]) -> dict:
     """The stream retention keys the topic configs ask for ({} for no limit)."""
     out: dict = {}
@@ -136,6 +195,9 @@ class Admin:
         self.broker = broker
         self.store = broker.store
         self.client = broker.client
+        self._dynamic: dict[str, dict[str, str]] = {}  # resource ("default" or node id) -> settings
+        self._dynamic_at = -1e9
+        self._dynamic_lock = asyncio.Lock()
 
     def handlers(self) -> dict[int, Callable]:
         return {
@@ -144,7 +206,138 @@ class Admin:
             codec.API_INCREMENTAL_ALTER_CONFIGS: self.incremental_alter_configs,
             codec.API_CREATE_PARTITIONS: self.create_partitions,
             codec.API_DESCRIBE_CLUSTER: self.describe_cluster,
+            codec.API_DELETE_RECORDS: self.delete_records,
         }
+
+    # ------------------------------------------------------------ dynamic broker settings
+    async def _load_dynamic(self, fresh: bool = False) -> dict[str, dict[str, str]]:
+        async with self._dynamic_lock:
+            if fresh or time.monotonic() - self._dynamic_at > DYNAMIC_TTL_S:
+                loaded = {}
+                for key, kv in await self.store.list_prefix(BROKER_CONFIGS):
+                    try:
+                        loaded[key[len(BROKER_CONFIGS):]] = {str(k): str(v) for k, v in json.loads(kv.value).items()}
+                    except (ValueError, AttributeError) as exc:
+                        log.warning("ignoring unreadable broker configs %s: %r", key, exc)
+                self._dynamic, self._dynamic_at = loaded, time.monotonic()
+            return self._dynamic
+
+    async def dynamic_settings(self) -> dict[str, tuple[str, int]]:
+        """The dynamic broker settings in force here: name -> (value, source)."""
+        d = await self._load_dynamic()
+        out = {k: (v, SOURCE_DYNAMIC_DEFAULT_BROKER) for k, v in d.get("default", {}).items()}
+        out.update({k: (v, SOURCE_DYNAMIC_BROKER) for k, v in d.get(str(self._node_id()), {}).items()})
+        return out
+
+    async def setting(self, name: str) -> str:
+        """One broker setting's value in force (dynamic over the command line's)."""
+        got = (await self.dynamic_settings()).get(name)
+        return got[0] if got is not None else self._broker_configs()[name][0]
+
+    async def default_partitions(self) -> int:
+        return int(await self.setting("num.partitions"))
+
+    async def auto_create_topics(self) -> bool:
+        return (await self.setting("auto.create.topics.enable")) == "true"
+
+    async def topic_configs_in_force(self, configs: dict[str, str]) -> dict[str, str]:
+        """A topic's configs with the broker's log.retention.* defaults filled in where it sets none."""
+        out = dict(configs)
+        for broker_name, topic_name in TOPIC_DEFAULT_OF.items():
+            if topic_name not in out:
+                value = await self.setting(broker_name)
+                if value != "-1":
+                    out[topic_name] = value
+        return out
+
+    def _resource_key(self, name: str) -> str:
+        if name == "":
+            return "default"
+        try:
+            if int(name) >= 0:
+                return str(int(name))
+        except ValueError:
+            pass
+        raise InvalidRequest(f"broker resource name must be '' (every listener) or a node id, not {name!r}")
+
+    async def _alter_broker(self, name: str, edit: Callable[[dict[str, str]], dict[str, str]],
+                            validate_only: bool) -> None:
+        key = BROKER_CONFIGS + self._resource_key(name)
+        static = set(self._broker_configs())
+        for _ in range(20):
+            cur = await self.store.get(key)
+            old = {str(k): str(v) for k, v in json.loads(cur.value).items()} if cur is not None else {}
+            new = check_broker_configs(edit(dict(old)), self.broker.config.max_partitions, static)
+            if validate_only or new == old:
+                return
+            data = json.dumps(new, sort_keys=True).encode()
+            done = (await self.store.cas(key, data, cur.version) if cur is not None
+                    else await self.store.create(key, data))
+            if done:
+                break
+        else:
+            raise PolicyViolation(f"broker configs {name!r}: the record kept changing")
+        await self._load_dynamic(fresh=True)
+        log.info("broker configs %r set to %s", name or "<default>", new)
+        if any(old.get(k) != new.get(k) for k in TOPIC_DEFAULT_OF):
+            await self._apply_default_retention()
+
+    async def _apply_default_retention(self) -> None:
+        """log.retention.* changed: the topics that set no retention of their own follow it."""
+        for t in await self.client.list_topics():
+            if await self.store.get(topic_key(t.name)) is None:
+                continue  # a stream created alone keeps the retention its owner set
+            own = dict(t.configs)
+            if all(n in own for n in TOPIC_DEFAULT_OF.values()):
+                continue
+            try:
+                await self.apply_retention(t.name, range(t.partitions), await self.topic_configs_in_force(own))
+            except Exception as exc:
+                log.warning("topic=%s: the new default retention was not applied: %r", t.name, exc)
+
+    # ------------------------------------------------------------ DeleteRecords
+    async def delete_records(self, req, resp_cls):
+        """DeleteRecords: the log start of each partition moves to the offset at once (-1: the high
+        watermark), and the stream's retention ``keep_from`` is raised to it, so the retention job
+        removes the fragments wholly below it (through its two phases); low_watermark answers the new
+        log start. An offset above the high watermark is OFFSET_OUT_OF_RANGE."""
+        topic_cls = nested(resp_cls, "DeleteRecordsTopicResult")
+        part_cls = nested(resp_cls, "DeleteRecordsPartitionResult")
+        topics = []
+        for t in req.topics:
+            parts = []
+            for p in t.partitions:
+                low, error = -1, None
+                try:
+                    low = await self._delete_below(t.name, p.partition_index, p.offset)
+                except Exception as exc:
+                    self._log("delete_records", f"{t.name}/{p.partition_index}", exc)
+                    error = exc
+                parts.append(build(part_cls, partition_index=p.partition_index, low_watermark=low,
+                                   error_code=code_for(error) if error else ErrorCode.none))
+            topics.append(build(topic_cls, name=t.name, partitions=tuple(parts)))
+        return build(resp_cls, throttle_time=ZERO_MS, topics=tuple(topics))
+
+    async def _delete_below(self, topic: str, index: int, offset: int) -> int:
+        from streams.tools import retention  # the retention job's policy writer (operator tools)
+
+        plog = await self.broker.partition(topic, index)  # NOT_LEADER_OR_FOLLOWER unless ours
+        await plog.caught_up()
+        hw = plog.high_watermark
+        target = hw if offset == -1 else offset
+        if not 0 <= target <= hw:
+            raise OffsetOutOfRange(f"cannot delete records of {topic} partition {index} below {offset}: the "
+                                   f"offsets are {plog.log_start}..{hw}")
+        start = await plog.refresh_log_start()
+        if target <= start:
+            return start
+        meta = await retention.set_policy(self.client, plog.stream, {"keep_from": target})
+        plog.delete_below(target)
+        log.info("topic=%s partition=%d: records below %d deleted (stream %s retention %s)", topic, index, target,
+                 plog.stream, meta.retention)
+        task = asyncio.ensure_future(retention.run_retention(self.client, plog.stream))
+        task.add_done_callback(_log_retention_run)
+        return plog.log_start
 
     # ------------------------------------------------------------ topic records
     async def _topic_record(self, name: str, for_change: bool = False) -> TopicMeta:
@@ -239,12 +432,20 @@ class Admin:
                 if r.resource_type == RESOURCE_TOPIC:
                     stored = dict((await self._topic_record(r.resource_name)).configs)
                     entries = {k: (v, t, SOURCE_DEFAULT, False) for k, (v, t) in self._topic_defaults().items()}
+                    dynamic = await self.dynamic_settings()
+                    for broker_name, topic_name in TOPIC_DEFAULT_OF.items():
+                        if broker_name in dynamic:
+                            value, source = dynamic[broker_name]
+                            entries[topic_name] = (value, T_LONG, source, False)
                     for k, v in stored.items():
                         entries[k] = (v, TOPIC_CONFIG_TYPES.get(k, T_STRING), SOURCE_DYNAMIC_TOPIC, False)
                 elif r.resource_type == RESOURCE_BROKER:
                     if r.resource_name not in ("", str(self._node_id())):
                         raise InvalidRequest(f"this is broker {self._node_id()}, not {r.resource_name}")
-                    entries = {k: (v, t, SOURCE_STATIC_BROKER, True) for k, (v, t) in self._broker_configs().items()}
+                    entries = {k: (v, t, SOURCE_STATIC_BROKER, k not in BROKER_DYNAMIC_TYPES)
+                               for k, (v, t) in self._broker_configs().items()}
+                    for k, (v, source) in (await self.dynamic_settings()).items():
+                        entries[k] = (v, BROKER_DYNAMIC_TYPES[k], source, False)
                 else:
                     raise InvalidRequest(f"resource type {r.resource_type} is not served (2: topic, 4: broker)")
                 keys = r.configuration_keys
@@ -269,7 +470,7 @@ class Admin:
 
         new = await self._update_topic(name, change, validate_only)
         if not validate_only:
-            await self.apply_retention(name, range(new.partitions), new.configs)
+            await self.apply_retention(name, range(new.partitions), await self.topic_configs_in_force(new.configs))
 
     async def _alter(self, req, resp_cls, edit_for):
         result_cls = nested(resp_cls, "AlterConfigsResourceResponse")
@@ -277,10 +478,13 @@ class Admin:
         for r in req.resources:
             try:
                 if r.resource_type == RESOURCE_BROKER:
-                    raise InvalidRequest("broker configs are static in this shim (set them on the command line)")
-                if r.resource_type != RESOURCE_TOPIC:
-                    raise InvalidRequest(f"resource type {r.resource_type} is not served (2: topic)")
-                await self._alter_topic(r.resource_name, edit_for(r), req.validate_only)
+                    await self._alter_broker(r.resource_name, edit_for(r, BROKER_DYNAMIC_TYPES, {}),
+                                             req.validate_only)
+                elif r.resource_type == RESOURCE_TOPIC:
+                    await self._alter_topic(r.resource_name, edit_for(r, TOPIC_CONFIG_TYPES, self._topic_defaults()),
+                                            req.validate_only)
+                else:
+                    raise InvalidRequest(f"resource type {r.resource_type} is not served (2: topic, 4: broker)")
                 out.append(build(result_cls, error_code=ErrorCode.none, error_message=None,
                                  resource_type=r.resource_type, resource_name=r.resource_name))
             except Exception as exc:
@@ -291,10 +495,11 @@ class Admin:
 
     async def alter_configs(self, req, resp_cls):
         """AlterConfigs replaces a topic's whole config set."""
-        return await self._alter(req, resp_cls, lambda r: lambda _old: {c.name: c.value for c in r.configs})
+        return await self._alter(req, resp_cls, lambda r, _types, _defaults: lambda _old: {c.name: c.value
+                                                                                         for c in r.configs})
 
     async def incremental_alter_configs(self, req, resp_cls):
-        def edit_for(r):
+        def edit_for(r, types: dict[str, int], defaults: dict[str, tuple[str, int]]):
             def edit(cfg: dict[str, str]) -> dict[str, str]:
                 for c in r.configs:
                     op = c.config_operation
@@ -303,9 +508,9 @@ class Admin:
                     elif op == OP_DELETE:
                         cfg.pop(c.name, None)
                     elif op in (OP_APPEND, OP_SUBTRACT):
-                        if TOPIC_CONFIG_TYPES.get(c.name) != T_LIST:
+                        if types.get(c.name) != T_LIST:
                             raise InvalidConfig(f"{c.name} is not a list config: cannot append/subtract")
-                        default = self._topic_defaults().get(c.name, ("", T_LIST))[0]
+                        default = defaults.get(c.name, ("", T_LIST))[0]
                         cur = [v for v in cfg.get(c.name, default).split(",") if v]
                         vals = [v for v in (c.value or "").split(",") if v]
                         cur = cur + [v for v in vals if v not in cur] if op == OP_APPEND else \
@@ -381,3 +586,8 @@ class Admin:
             log.info("%s %s: %s", what, name, exc)
         else:
             log.warning("%s %s: %r", what, name, exc)
+
+
+def _log_retention_run(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("retention run after DeleteRecords failed (the scheduled job retries): %r", task.exception())

@@ -198,7 +198,8 @@ class Broker:
                                                   retention=retention_policy(configs) or None, reuse_streams=True)
         except TopicExists as exc:
             raise TopicAlreadyExists(str(exc)) from None
-        await self.admin.apply_retention(name, range(partitions), configs)  # reused streams too
+        # reused streams too; the broker's log.retention.* where the topic sets none
+        await self.admin.apply_retention(name, range(partitions), await self.admin.topic_configs_in_force(configs))
         log.info("topic=%s created with %d partitions", name, partitions)
         return meta
 
@@ -287,7 +288,7 @@ class Broker:
         if req.topics is None or (version == 0 and not req.topics):
             metas = [(m.name, m) for m in await self.topics()]
         else:
-            allow = getattr(req, "allow_auto_topic_creation", True) and c.auto_create_topics
+            allow = getattr(req, "allow_auto_topic_creation", True) and await self.admin.auto_create_topics()
             metas = []
             for t in req.topics:
                 name = t.name
@@ -322,7 +323,7 @@ class Broker:
             m = await self.topic(name)
             if m is None and allow_create:
                 try:
-                    m = await self.create_topic(name, self.config.default_partitions, {})
+                    m = await self.create_topic(name, await self.admin.default_partitions(), {})
                 except TopicAlreadyExists:
                     m = await self.topic(name)
             return m if m is not None else UnknownTopicOrPartition(f"unknown topic {name!r}")
@@ -525,7 +526,7 @@ class Broker:
         out = []
         for t in req.topics:
             n = len(t.assignments) if t.assignments else t.num_partitions
-            n = self.config.default_partitions if n == -1 else n
+            n = await self.admin.default_partitions() if n == -1 else n
             configs = {c.name: c.value for c in t.configs if c.value is not None}
             try:
                 meta = await self.create_topic(t.name, n, configs, req.validate_only)

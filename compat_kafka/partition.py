@@ -87,6 +87,13 @@ class PartitionConfig:
             raise ValueError(f"invalid partition config {self}")
 
 
+def records_deleted_below(meta) -> int:
+    """The offset DeleteRecords (or a retention ``keep_from``) moved the log start to: records
+    below it are gone for Kafka clients even before the retention job removes their fragments."""
+    keep = meta.retention.get("keep_from") if meta.retention else None
+    return keep if isinstance(keep, int) and not isinstance(keep, bool) else 0
+
+
 class PartitionLog:
     def __init__(self, client, topic: str, partition: int, config: PartitionConfig,
                  on_append: Callable[[], None] = lambda: None, *, writable: bool = True):
@@ -127,8 +134,9 @@ class PartitionLog:
             self.reader = Consumer(self.client.cluster, meta, max_read_entries=self.config.max_read_entries,
                                    max_read_bytes=self.config.max_read_bytes)
             self.stream_id = meta.ledger_id
-            self.log_start = await self.reader.earliest_offset()
             await self.follow()
+            self.log_start = min(max(await self.reader.earliest_offset(), records_deleted_below(meta)),
+                                 self.high_watermark)
             log.info("topic=%s partition=%d stream=%s open read-only: LAC %d, offsets %d..%d", self.topic,
                      self.partition, self.stream, self._last_entry, self.log_start, self.high_watermark)
             return
@@ -140,7 +148,8 @@ class PartitionLog:
         self.stream_id = self.producer.stream_id
         lac = self.producer.lac
         self.high_watermark = self.producer.next_offset
-        self.log_start = await self.reader.earliest_offset()
+        self.log_start = min(max(await self.reader.earliest_offset(), records_deleted_below(meta)),
+                             self.high_watermark)
         scanned = await self._rebuild_producer_state(lac)
         self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshot_loop(),
                                                                      name=f"kafka-snapshots-{self.stream}")
@@ -418,10 +427,18 @@ class PartitionLog:
         return await r.locate(offset)
 
     async def refresh_log_start(self) -> int:
-        """Re-read the first retained offset from the fragment records (retention may have run)."""
-        fresh = Consumer(self.client.cluster, self.reader.meta, max_read_entries=16)
-        self.log_start = min(max(self.log_start, await fresh.earliest_offset()), self.high_watermark)
+        """Re-read the first retained offset from the fragment records (retention may have run) and
+        the records deleted below (DeleteRecords, maybe by another listener)."""
+        meta, _ = await self.client.cluster.ledgers.get_ledger(self.stream)
+        fresh = Consumer(self.client.cluster, meta, max_read_entries=16)
+        start = max(self.log_start, await fresh.earliest_offset(), records_deleted_below(meta))
+        self.log_start = min(start, self.high_watermark)
         return self.log_start
+
+    def delete_below(self, offset: int) -> None:
+        """DeleteRecords: the log starts at ``offset`` from now on (the stream's retention
+        ``keep_from``, already written, removes the fragments below it)."""
+        self.log_start = min(max(self.log_start, offset), self.high_watermark)
 
     async def offset_for_timestamp(self, ts: int) -> tuple[int, int]:
         """(offset, timestamp) of the first record whose timestamp is >= ``ts``; (-1, -1) if none.

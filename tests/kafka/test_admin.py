@@ -134,7 +134,151 @@ def test_topic_configs_are_described_altered_and_set_stream_retention(admin, shi
     broker = ConfigResource(ResourceType.BROKER, "0")
     bcfg = admin.describe_configs([broker])[broker].result(timeout=20)
     assert bcfg["broker.id"].value == "0" and bcfg["group.initial.rebalance.delay.ms"].value == "100"
-    assert bcfg["num.partitions"].is_read_only
+    assert bcfg["broker.id"].is_read_only and not bcfg["num.partitions"].is_read_only  # dynamic: see below
+
+
+def test_dynamic_broker_configs_persist_and_take_effect(admin, shim, kafka_cluster, topic):
+    from confluent_kafka.admin import ConfigSource
+
+    from compat_kafka.broker import Broker, BrokerConfig
+
+    def alter(name: str, *entries):
+        if name == "":  # the cluster default: librdkafka will not send an empty resource name, so by hand
+            return _RawAlter(shim, entries)
+        res = ConfigResource(ResourceType.BROKER, name, incremental_configs=[
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET if v is not None else
+                        AlterConfigOpType.DELETE) for k, v in entries])
+        return admin.incremental_alter_configs([res])[res]
+
+    def broker_cfg():
+        res = ConfigResource(ResourceType.BROKER, "0")
+        return admin.describe_configs([res])[res].result(timeout=20)
+
+    own, other = f"{topic}-own", f"{topic}-dflt"
+    admin.create_topics([NewTopic(own, 1, 1, config={"retention.ms": "60000"}),
+                         NewTopic(other, 1, 1)])[own].result(timeout=20)
+    try:
+        # the cluster default (resource name "") and one listener's own setting
+        alter("", ("num.partitions", "3"), ("log.retention.ms", "3600000")).result(timeout=20)
+        cfg = broker_cfg()
+        assert cfg["num.partitions"].value == "3" and not cfg["num.partitions"].is_read_only
+        assert cfg["num.partitions"].source == ConfigSource.DYNAMIC_DEFAULT_BROKER_CONFIG.value
+        # topics without a retention of their own follow log.retention.ms; the others keep theirs
+        assert stream_info(kafka_cluster, other)[0] == {"max_age_s": 3600.0}
+        assert stream_info(kafka_cluster, own)[0] == {"max_age_s": 60.0}
+        tcfg = admin.describe_configs([ConfigResource(ResourceType.TOPIC, other)])
+        assert list(tcfg.values())[0].result(timeout=20)["retention.ms"].value == "3600000"
+        # an auto-created topic gets num.partitions
+        produce(shim.bootstrap, f"{topic}-auto", 1, 1)
+        assert len(admin.list_topics(f"{topic}-auto", timeout=10).topics[f"{topic}-auto"].partitions) == 3
+
+        alter("0", ("auto.create.topics.enable", "false")).result(timeout=20)
+        assert broker_cfg()["auto.create.topics.enable"].source == ConfigSource.DYNAMIC_BROKER_CONFIG.value
+        md = admin.list_topics(f"{topic}-never", timeout=10)
+        assert md.topics[f"{topic}-never"].error is not None
+        assert f"{topic}-never" not in admin.list_topics(timeout=10).topics
+
+        # persisted in the metadata store: another listener starting now has the same settings
+        async def fresh_listener():
+            client = await connect(kafka_cluster.metadata_url)
+            try:
+                b = Broker(client, BrokerConfig(node_id=0))
+                return await b.admin.default_partitions(), await b.admin.auto_create_topics()
+            finally:
+                await client.close()
+
+        assert asyncio.run(fresh_listener()) == (3, False)
+
+        # the rest: Kafka's errors, nothing written
+        assert error_name(alter("", ("broker.id", "7"))) == "INVALID_REQUEST"  # static
+        assert error_name(alter("", ("no.such.setting", "1"))) == "INVALID_CONFIG"
+        assert error_name(alter("", ("num.partitions", "lots"))) == "INVALID_CONFIG"
+        assert error_name(alter("", ("num.partitions", "0"))) == "INVALID_CONFIG"
+        assert broker_cfg()["num.partitions"].value == "3"
+    finally:
+        alter("0", ("auto.create.topics.enable", None)).result(timeout=20)
+        alter("", ("num.partitions", None), ("log.retention.ms", None)).result(timeout=20)
+    cfg = broker_cfg()
+    assert (cfg["num.partitions"].value, cfg["auto.create.topics.enable"].value) == ("1", "true")
+    assert cfg["num.partitions"].source == ConfigSource.STATIC_BROKER_CONFIG.value
+    assert stream_info(kafka_cluster, other)[0] == {}
+
+
+class _RawAlter:
+    """IncrementalAlterConfigs of the broker resource "" over a raw socket, with a future's result()."""
+
+    def __init__(self, shim, entries):
+        from kio.schema.incremental_alter_configs.v1 import IncrementalAlterConfigsRequest
+        from kio.schema.incremental_alter_configs.v1.request import AlterableConfig, AlterConfigsResource
+
+        from .test_bad_input import call, connect
+
+        req = IncrementalAlterConfigsRequest(validate_only=False, resources=(AlterConfigsResource(
+            resource_type=4, resource_name="", configs=tuple(
+                AlterableConfig(name=k, config_operation=0 if v is not None else 1, value=v) for k, v in entries)),))
+        with connect(shim) as sock:
+            self.resp = call(sock, req, 1).responses[0]
+
+    def result(self, timeout=None):
+        if self.resp.error_code != 0:
+            raise KafkaException(_KafkaErrorLike(self.resp.error_code))
+
+
+class _KafkaErrorLike:
+    def __init__(self, code):
+        from kio.schema.errors import ErrorCode
+
+        self._name = ErrorCode(code).name.upper()
+
+    def name(self):
+        return self._name
+
+
+def test_delete_records_moves_the_log_start_and_sets_retention(admin, shim, kafka_cluster, topic):
+    from confluent_kafka import Consumer
+
+    from compat_kafka.partition import PartitionConfig, PartitionLog
+
+    create_topic(shim.bootstrap, topic, 1)
+    for part in range(3):  # three batches of 10
+        produce(shim.bootstrap, topic, 10, 1, prefix=f"b{part}-")
+    got = admin.delete_records([TopicPartition(topic, 0, 15)])
+    (res,) = got.values()
+    assert res.result(timeout=20).low_watermark == 15
+    c = Consumer({"bootstrap.servers": shim.bootstrap, "group.id": f"g-{topic}", "auto.offset.reset": "earliest"})
+    try:
+        assert c.get_watermark_offsets(TopicPartition(topic, 0), timeout=20) == (15, 30)
+        c.assign([TopicPartition(topic, 0, 3)])  # below the log start: reset to earliest, 15
+        seen = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 15 and time.monotonic() < deadline:
+            m = c.poll(0.2)
+            if m is not None and m.error() is None:
+                seen.append(m.offset())
+        assert seen == list(range(15, 30))
+    finally:
+        c.close()
+    assert stream_info(kafka_cluster, topic)[0]["keep_from"] == 15  # the retention job removes what is below
+
+    # an offset past the end is refused; -1 deletes up to the high watermark; lower is a no-op
+    (res,) = admin.delete_records([TopicPartition(topic, 0, 31)]).values()
+    assert error_name(res) == "OFFSET_OUT_OF_RANGE"
+    (res,) = admin.delete_records([TopicPartition(topic, 0, 10)]).values()
+    assert res.result(timeout=20).low_watermark == 15
+    (res,) = admin.delete_records([TopicPartition(topic, 0, -1)]).values()
+    assert res.result(timeout=20).low_watermark == 30
+
+    async def fresh_listener():  # the log start survives a listener fail-over: a partition opened anew has it
+        client = await connect(kafka_cluster.metadata_url)
+        plog = PartitionLog(client, topic, 0, PartitionConfig(), writable=False)
+        try:
+            await plog.open()
+            return plog.log_start, plog.high_watermark
+        finally:
+            await plog.close()
+            await client.close()
+
+    assert asyncio.run(fresh_listener()) == (30, 30)
 
 
 def test_describe_cluster_names_this_shim_controller(admin, shim):
