@@ -52,12 +52,15 @@ from .errors import (
     UnknownTopicOrPartition,
     code_for,
 )
+from .fetch_sessions import FetchSession, FetchSessionCache, SessionError
 from .groups import GroupConfig, GroupCoordinator
 from .ownership import OWNERS, Ownership, coordinator_key, partition_key
 from .partition import PartitionConfig, PartitionLog
 from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
 
 log = logging.getLogger(__name__)
+
+_REFRESH_SOME = "some"  # see Broker._caught_up_now
 
 # kio resolves a schema through importlib on every call (~3% of the shim's CPU under produce load)
 _response_schema = functools.lru_cache(maxsize=None)(codec.response_schema)
@@ -83,6 +86,11 @@ class BrokerConfig:
     max_fetch_bytes: int = 64 << 20
     max_fetch_wait_ms: int = 30_000
     max_produce_timeout_ms: int = 60_000
+    fetch_sessions: bool = True  # KIP-227 incremental fetch sessions (False: every fetch is a full one)
+    # a caught-up partition's state (high watermark, another writer's take-over) is learnt from the
+    # bookies on a fetch at most this often (see Broker._caught_up_now); 0: on every fetch
+    partition_refresh_s: float = 0.5
+    max_fetch_sessions: int = 1000
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     groups: GroupConfig = field(default_factory=GroupConfig)
 
@@ -111,6 +119,7 @@ class Broker:
         self.ownership = Ownership(self.store, c.host, c.port, c.node_id, c.lease_ttl_s, on_lost=self._on_lost)
         self.producer_ids = ProducerIdAllocator(self.store, c.producer_id_block)
         self._idempotent_produces = itertools.count(1)
+        self.fetch_sessions = FetchSessionCache(c.max_fetch_sessions)
         self._handlers = {
             codec.API_API_VERSIONS: self.api_versions,
             codec.API_METADATA: self.metadata,
@@ -416,10 +425,31 @@ class Broker:
         wait_s = min(max(req.max_wait.total_seconds(), 0.0), self.config.max_fetch_wait_ms / 1000)
         deadline = loop.time() + wait_s
         max_bytes = max(1, min(req.max_bytes, self.config.max_fetch_bytes))
-        refresh = True  # the first pass learns caught-up partitions' state; later ones are woken with it
+        wanted = [((t.topic, p.partition), p.fetch_offset, p.partition_max_bytes) for t in req.topics
+                  for p in t.partitions]
+        session, full = None, True
+        sid, epoch = getattr(req, "session_id", 0), getattr(req, "session_epoch", -1)  # v7+
+        if (sid or epoch != -1) and (self.config.fetch_sessions or epoch > 0):
+            forgotten = [(f.topic, p) for f in getattr(req, "forgotten_topics_data", ()) for p in f.partitions]
+            try:
+                session, full = self.fetch_sessions.begin(sid, epoch, wanted, forgotten, loop.time())
+            except SessionError as exc:
+                log.info("fetch: %s", exc)
+                codec.effects_applied()
+                return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode(exc.code), session_id=0,
+                             responses=())
+            if not full:  # the session's partitions, at their cached offsets
+                wanted = [(tp, c.fetch_offset, c.max_bytes) for tp, c in session.partitions.items()]
+        codec.effects_applied()  # the session is updated; reads change nothing
+        jobs: dict[str, list[tuple[int, int, int]]] = {}
+        for (topic, index), offset, part_max in wanted:
+            jobs.setdefault(topic, []).append((index, offset, part_max))
+        # the first pass learns caught-up partitions' state (later ones are woken with it); within an
+        # incremental session, for each partition at most every partition_refresh_s (_caught_up_now)
+        refresh = True if session is None or full else _REFRESH_SOME
         while True:
             appended = self._appended
-            topics, total, errors, followers = await self._fetch_once(req, resp_cls, max_bytes, refresh)
+            rows, total, errors, followers = await self._fetch_once(jobs, max_bytes, refresh)
             refresh = False
             remaining = deadline - loop.time()
             if total >= req.min_bytes or total >= max_bytes or errors or remaining <= 0:
@@ -435,7 +465,13 @@ class Broker:
                 for w in waits:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await w
-        return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, session_id=0, responses=topics)
+        topics = self._fetch_answer(resp_cls, rows, session if not full else None)
+        if session is not None and full:  # the session remembers what its full answer said
+            for t, parts in rows:
+                for index, records, error, hw, start in parts:
+                    session.must_answer((t, index), bool(records), error is not None, hw, hw, start)
+        return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none,
+                     session_id=session.id if session is not None else 0, responses=topics)
 
     async def _read_partition(self, topic: str, index: int, offset: int, room: int, refresh: bool):
         """(records, error, high watermark, log start, the partition if it was read-only and caught up)."""
@@ -454,23 +490,34 @@ class Broker:
             self._log_error("fetch", topic, index, exc)
             return b"", exc, -1, -1, None
 
-    async def _fetch_once(self, req, resp_cls, max_bytes: int, refresh: bool):
-        """Partitions are read concurrently (each up to its own limit); a partition whose records
-        would take the response over ``max_bytes`` gets none this time (the first one always has
-        its whole first batch, as in Kafka), and the client fetches it again."""
-        topic_cls = nested(resp_cls, "FetchableTopicResponse")
-        part_cls = nested(resp_cls, "PartitionData")
-        jobs = [(t.topic, p.partition, p.fetch_offset, min(p.partition_max_bytes, max_bytes), refresh)
-                for t in req.topics for p in t.partitions]
-        if len(jobs) == 1:
-            reads = iter([await self._read_partition(*jobs[0])])
-        else:
-            reads = iter(await asyncio.gather(*(self._read_partition(*j) for j in jobs)))
-        total, errors, topics, followers = 0, 0, [], []
-        for t in req.topics:
+    async def _fetch_once(self, wanted: dict[str, list[tuple[int, int, int]]], max_bytes: int, refresh):
+        """Partitions (``wanted``: topic -> [(partition, fetch offset, max bytes)]) are read
+        concurrently (each up to its own limit); a partition whose records would take the response
+        over ``max_bytes`` gets none this time (the first one always has its whole first batch, as in
+        Kafka), and the client fetches it again. A partition open here and caught up is answered
+        without a read (see ``_caught_up_now``). Returns ([(topic, [(partition, records, error, high
+        watermark, log start)])], total bytes, errors, read-only partitions caught up)."""
+        results: list = []
+        reads = []
+        for topic, parts in wanted.items():
+            for index, offset, part_max in parts:
+                quick = self._caught_up_now(topic, index, offset, refresh)
+                if quick is None:
+                    reads.append((len(results), (topic, index, offset, min(part_max, max_bytes), refresh)))
+                results.append(quick)
+        if len(reads) == 1:
+            i, job = reads[0]
+            results[i] = await self._read_partition(*job)
+        elif reads:
+            for (i, _), r in zip(reads, await asyncio.gather(*(self._read_partition(*j) for _, j in reads)),
+                                 strict=True):
+                results[i] = r
+        it = iter(results)
+        total, errors, rows, followers = 0, 0, [], []
+        for t, parts_wanted in wanted.items():
             parts = []
-            for p in t.partitions:
-                records, error, hw, start, follower = next(reads)
+            for index, _offset, _max in parts_wanted:
+                records, error, hw, start, follower = next(it)
                 if follower is not None:
                     followers.append(follower)
                 if error is not None:
@@ -478,12 +525,47 @@ class Broker:
                 if total and total + len(records) > max_bytes:
                     records = b""
                 total += len(records)
-                parts.append(build(
-                    part_cls, partition_index=p.partition, error_code=code_for(error) if error else ErrorCode.none,
-                    high_watermark=hw, last_stable_offset=hw, log_start_offset=start, aborted_transactions=(),
-                    preferred_read_replica=-1, records=records))
-            topics.append(topic_cls(topic=t.topic, partitions=tuple(parts)))
-        return tuple(topics), total, errors, followers
+                parts.append((index, records, error, hw, start))
+            rows.append((t, parts))
+        return rows, total, errors, followers
+
+    @staticmethod
+    def _fetch_answer(resp_cls, rows, incremental: FetchSession | None) -> tuple:
+        """The response's topics; for an ``incremental`` session fetch only the partitions with
+        records, an error, or a changed high watermark or log start (``FetchSession.must_answer``)."""
+        topic_cls = nested(resp_cls, "FetchableTopicResponse")
+        part_cls = nested(resp_cls, "PartitionData")
+        topics = []
+        for t, parts in rows:
+            out = [build(part_cls, partition_index=index, error_code=code_for(error) if error else ErrorCode.none,
+                         high_watermark=hw, last_stable_offset=hw, log_start_offset=start, aborted_transactions=(),
+                         preferred_read_replica=-1, records=records)
+                   for index, records, error, hw, start in parts
+                   if incremental is None
+                   or incremental.must_answer((t, index), bool(records), error is not None, hw, hw, start)]
+            if out:
+                topics.append(topic_cls(topic=t, partitions=tuple(out)))
+        return tuple(topics)
+
+    def _caught_up_now(self, topic: str, index: int, offset: int, refresh):
+        """A read's answer known without awaiting anything: the partition is open, usable and ours,
+        and ``offset`` is its high watermark (nothing to serve). None otherwise, and also when the
+        fetch's first pass learns the partition's state from the bookies (``refresh`` True:
+        ``PartitionLog.caught_up``, one LAC read; ``_REFRESH_SOME``, an incremental session fetch:
+        only if that was last done more than ``partition_refresh_s`` ago). So a session consumer of
+        many idle partitions costs one LAC read per partition per ``partition_refresh_s``, not per
+        fetch; records another writer appends meanwhile still wake a read-only partition's long poll,
+        and a take-over by another writer is seen within ``partition_refresh_s``."""
+        plog = self._logs.get((topic, index))
+        if plog is None or not plog.usable or offset != plog.high_watermark:
+            return None
+        if refresh is True or (refresh is _REFRESH_SOME and asyncio.get_running_loop().time() - plog.refreshed_at
+                                   >= self.config.partition_refresh_s):
+            return None
+        if not self.ownership.owns(partition_key(topic, index)):
+            return None
+        follower = plog if not plog.writable else None
+        return b"", None, plog.high_watermark, plog.log_start, follower
 
     # ---------------------------------------------------------------- ListOffsets
     async def list_offsets(self, req, resp_cls):

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 import click
 
@@ -20,14 +21,18 @@ from .server import KafkaServer, ServerConfig
 
 
 async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,
-                started: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set (or SIGINT/SIGTERM when it is None)."""
+                started: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                on_start: Callable[[KafkaServer], None] | None = None) -> None:
+    """Run until ``stop`` is set (or SIGINT/SIGTERM when it is None); ``on_start`` is given the
+    server once it listens (tests look inside)."""
     from streams.client import connect
 
     client = await connect(metadata_url)
     server = KafkaServer(Broker(client, broker_config), server_config)
     try:
         await server.start()
+        if on_start is not None:
+            on_start(server)
         if stop is None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -58,16 +63,18 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
               help="partitions of an auto-created topic (and of CreateTopics with -1)")
 @click.option("--no-auto-create", is_flag=True, help="do not create unknown topics on Metadata requests")
 @click.option("--max-frame-bytes", default=64 << 20, show_default=True, type=click.IntRange(1024, 1 << 30))
+@click.option("--no-fetch-sessions", is_flag=True, help="decline KIP-227 incremental fetch sessions")
 def kafka_command(metadata_url: str, host: str, port: int, advertised_host: str, node_id: int | None,
                   lease_ttl: float, test_drop_produce_response_every: int, default_partitions: int,
-                  no_auto_create: bool, max_frame_bytes: int) -> None:
+                  no_auto_create: bool, max_frame_bytes: int, no_fetch_sessions: bool) -> None:
     """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes)
         broker_config = BrokerConfig(host=advertised_host, port=port, node_id=node_id, lease_ttl_s=lease_ttl,
                                      default_partitions=default_partitions, auto_create_topics=not no_auto_create,
-                                     drop_produce_response_every=test_drop_produce_response_every)
+                                     drop_produce_response_every=test_drop_produce_response_every,
+                                     fetch_sessions=not no_fetch_sessions)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     asyncio.run(serve(metadata_url, server_config, broker_config))

@@ -111,6 +111,7 @@ class PartitionLog:
         self.log_start = 0
         self.stream_id = -1
         self._last_entry = -1  # read-only: the LAC the high watermark was learnt at
+        self.refreshed_at = -1e9  # loop time of the last caught_up (state learnt from the bookies)
         self.failure: BaseException | None = None
         self._lock = asyncio.Lock()
         self._cursors: dict[int, int] = {}  # end offset of a batch served -> the entry after it
@@ -362,6 +363,7 @@ class PartitionLog:
         """At the high watermark: read-only, learn it again; writable, check (one LAC read) that no
         other writer took the stream over, else fail with StaleTermError (the broker then serves
         the partition read-only)."""
+        self.refreshed_at = asyncio.get_running_loop().time()
         if not self.writable:
             await self.follow()
             return

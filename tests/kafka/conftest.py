@@ -31,6 +31,10 @@ class ShimThread:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="kafka-shim", daemon=True)
+        self.server = None  # the KafkaServer, once listening (look, don't touch: it runs on its own loop)
+
+    def _on_start(self, server) -> None:
+        self.server = server
 
     def _run(self) -> None:
         async def main():
@@ -39,7 +43,8 @@ class ShimThread:
             started = asyncio.Event()
             task = asyncio.create_task(serve(
                 self._url, ServerConfig(port=self.port, max_frame_bytes=self._max_frame),
-                BrokerConfig(port=self.port, **self._broker_options), started=started, stop=self._stop))
+                BrokerConfig(port=self.port, **self._broker_options), started=started, stop=self._stop,
+                on_start=self._on_start))
             waiter = asyncio.create_task(started.wait())
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             self._started.set()
