@@ -56,6 +56,8 @@ API_DELETE_GROUPS = 42
 API_OFFSET_DELETE = 47
 API_INCREMENTAL_ALTER_CONFIGS = 44
 API_DESCRIBE_CLUSTER = 60
+API_CONSUMER_GROUP_HEARTBEAT = 68
+API_CONSUMER_GROUP_DESCRIBE = 69
 
 # The versions we serve, per api key (checked against kcat/librdkafka 2.0, confluent-kafka 2.16,
 # aiokafka 0.14 and kafka-python 3.0; bounded below/above by the kio 0.6.5 schemas: OffsetCommit
@@ -80,6 +82,8 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     API_DESCRIBE_GROUPS: (0, 5),
     API_DELETE_GROUPS: (0, 2),
     API_OFFSET_DELETE: (0, 0),
+    API_CONSUMER_GROUP_HEARTBEAT: (0, 1),  # KIP-848 (consumer_groups.py)
+    API_CONSUMER_GROUP_DESCRIBE: (0, 1),
     # admin (admin.py)
     API_DESCRIBE_CONFIGS: (1, 4),
     API_ALTER_CONFIGS: (0, 2),

@@ -63,7 +63,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -73,6 +73,7 @@ from streams.topics import TopicMeta, stream_partition, topic_key
 
 from . import codec
 from .codec import ZERO_MS, build, nested
+from .consumer_groups import ConsumerGroup, ConsumerGroupConfig
 from .errors import code_for
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class GroupConfig:
     max_session_timeout_ms: int = 1_800_000  # group.max.session.timeout.ms
     max_group_size: int = 1000  # group.max.size
     max_metadata_bytes: int = 4096  # offset.metadata.max.bytes
+    consumer: ConsumerGroupConfig = field(default_factory=ConsumerGroupConfig)  # KIP-848 groups
 
     def __post_init__(self):
         if self.initial_rebalance_delay_ms < 0 or self.max_group_size < 1 or self.max_metadata_bytes < 0:
@@ -683,6 +685,10 @@ class GroupCoordinator:
         self.offsets = OffsetStore(broker.store)
         self.groups: dict[str, Group] = {}
         self._kinds: dict[str, GroupKind] = {}  # recorded in the store (cache of what we wrote or read)
+        self.consumer_groups: dict[str, ConsumerGroup] = {}  # KIP-848 groups (consumer_group_apis.py)
+        from .consumer_group_apis import ConsumerGroupApis
+
+        self.consumer_apis = ConsumerGroupApis(self)
         self._timer: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
 
@@ -699,6 +705,8 @@ class GroupCoordinator:
             codec.API_DESCRIBE_GROUPS: self.describe_groups,
             codec.API_DELETE_GROUPS: self.delete_groups,
             codec.API_OFFSET_DELETE: self.offset_delete,
+            codec.API_CONSUMER_GROUP_HEARTBEAT: self.consumer_apis.heartbeat,
+            codec.API_CONSUMER_GROUP_DESCRIBE: self.consumer_apis.describe,
         }
 
     async def close(self) -> None:
@@ -713,6 +721,8 @@ class GroupCoordinator:
     def _abandon(self, group_id: str) -> None:
         """Forget a group this shim no longer coordinates; its waiting requests get NOT_COORDINATOR
         (the members find the new coordinator and rejoin there)."""
+        if self.consumer_groups.pop(group_id, None) is not None:
+            log.info("group=%s: no longer coordinated here; dropping its consumer group state", group_id)
         g = self.groups.pop(group_id, None)
         if g is None:
             return
@@ -754,7 +764,19 @@ class GroupCoordinator:
                     continue
                 if g.is_idle:
                     del self.groups[gid]
-            deadline = min((d for g in self.groups.values() if (d := g.next_deadline()) is not None), default=None)
+            for gid, cg in list(self.consumer_groups.items()):
+                d = cg.next_deadline()
+                try:
+                    if d is not None and d <= now:
+                        cg.tick(now)
+                except Exception:
+                    log.exception("group=%s: timer failed; dropping the group's state", gid)
+                    self._abandon(gid)
+                    continue
+                if cg.is_idle:
+                    del self.consumer_groups[gid]
+            deadline = min((d for g in [*self.groups.values(), *self.consumer_groups.values()]
+                            if (d := g.next_deadline()) is not None), default=None)
             timeout = None if deadline is None else max(0.0, deadline - self._now())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -827,6 +849,9 @@ class GroupCoordinator:
     async def join_group(self, req, resp_cls):
         version = resp_cls.__version__
         err = await self._group_error(req.group_id)
+        cg = self.consumer_groups.get(req.group_id)
+        if err is None and cg is not None and cg.members:
+            err = ErrorCode.inconsistent_group_protocol  # a consumer (KIP-848) group: not for JoinGroup
         if err is None:
             g = self._group(req.group_id, create=True)
             fut = asyncio.get_running_loop().create_future()
@@ -907,8 +932,12 @@ class GroupCoordinator:
         err = await self._group_error(group_id, need_id=False)
         if err is None:
             g = self._group(group_id, create=False)
+            cg = self.consumer_groups.get(group_id)
             generation = req.generation_id_or_member_epoch
-            if g is not None:
+            if cg is not None and (cg.members or generation >= 0):
+                err = cg.check_commit(req.member_id, generation, resp_cls.__version__)
+                err = None if err == ErrorCode.none else err
+            elif g is not None:
                 err = g.check_commit(self._now(), member_id=req.member_id, generation=generation,
                                      instance_id=getattr(req, "group_instance_id", None))
                 err = None if err == ErrorCode.none else err
@@ -955,6 +984,12 @@ class GroupCoordinator:
             part_cls = nested(resp_cls, "OffsetFetchResponsePartitions")
             groups = []
             for rg in req.groups:
+                cg = self.consumer_groups.get(rg.group_id)
+                member_err = cg.check_fetch(getattr(rg, "member_id", None), getattr(rg, "member_epoch", -1)) \
+                    if cg is not None and cg.members else ErrorCode.none
+                if member_err != ErrorCode.none:
+                    groups.append(build(group_cls, group_id=rg.group_id, topics=(), error_code=member_err))
+                    continue
                 err, topics = await self._fetch_group(rg.group_id, rg.topics, topic_cls, part_cls)
                 groups.append(build(group_cls, group_id=rg.group_id, topics=topics, error_code=err))
             return build(resp_cls, throttle_time=ZERO_MS, groups=tuple(groups))
@@ -1001,6 +1036,8 @@ class GroupCoordinator:
     async def _known_groups(self) -> dict[str, Group | None]:
         """Groups this shim coordinates: those in memory, and those with committed offsets."""
         known: dict[str, Group | None] = {gid: g for gid, g in self.groups.items() if g.state != DEAD}
+        for gid in self.consumer_groups:
+            known.setdefault(gid, None)
         for gid in await self.offsets.groups():
             known.setdefault(gid, None)
         out = {}
@@ -1036,6 +1073,9 @@ class GroupCoordinator:
         the protocol type its members used (recorded in the store), as Kafka's does."""
         if g is not None and g.members:
             return g.protocol_type or "", g.state, "classic"
+        cg = self.consumer_groups.get(gid)
+        if cg is not None and cg.members:
+            return "consumer", cg.state, "consumer"
         kind = await self.stored_kind(gid) or GroupKind("classic", g.protocol_type or "" if g else "")
         return kind.protocol_type, EMPTY, kind.group_type
 
@@ -1053,7 +1093,10 @@ class GroupCoordinator:
                 else:
                     try:
                         kind = await self.stored_kind(gid)
-                        if kind is not None and kind.group_type == "classic":
+                        cg = self.consumer_groups.get(gid)
+                        if cg is not None and cg.members:
+                            pass  # a consumer (KIP-848) group: Dead to DescribeGroups v0-5, as in Kafka
+                        elif kind is not None and kind.group_type == "classic":
                             state, ptype = EMPTY, kind.protocol_type
                         elif kind is None and await self.offsets.fetch_group(gid):
                             state = EMPTY
@@ -1074,12 +1117,16 @@ class GroupCoordinator:
             err = await self._group_error(gid)
             if err is None:
                 g = self.groups.get(gid)
-                if g is not None and g.state not in (EMPTY, DEAD):
+                cg = self.consumer_groups.get(gid)
+                if (g is not None and g.state not in (EMPTY, DEAD)) or (cg is not None and cg.members):
                     err = ErrorCode.non_empty_group
                 else:
                     try:
                         deleted = await self.offsets.delete_group(gid)
                         self._kinds.pop(gid, None)
+                        if cg is not None:
+                            cg.delete()
+                            del self.consumer_groups[gid]
                         if deleted == 0 and (g is None or g.state == DEAD):
                             err = ErrorCode.group_id_not_found
                         elif g is not None:
@@ -1152,6 +1199,9 @@ class GroupCoordinator:
         """The topics the active members of a group subscribe to; None when it has no members;
         False for an active classic group whose protocol type is not ``consumer`` (Kafka cannot
         tell its topics)."""
+        cg = self.consumer_groups.get(group_id)
+        if cg is not None and cg.members:
+            return cg.subscribed_topics()
         g = self.groups.get(group_id)
         if g is None or not g.members or g.state == DEAD:
             return None
