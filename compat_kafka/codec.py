@@ -106,6 +106,19 @@ def set_client_id(client_id: str | None) -> None:
 def current_client_id() -> str | None:
     return _CLIENT_ID.get()
 
+
+# The peer address of the connection a request came on (set once per connection by the server;
+# request tasks inherit it): group members' client host, "/<ip>" as Kafka shows it.
+_CLIENT_HOST: contextvars.ContextVar[str] = contextvars.ContextVar("kafka_client_host", default="")
+
+
+def set_client_host(peer) -> None:
+    _CLIENT_HOST.set(f"/{peer[0]}" if isinstance(peer, tuple) and peer else "")
+
+
+def current_client_host() -> str:
+    return _CLIENT_HOST.get()
+
 MAX_FRAME_BYTES = 64 << 20
 _SIZE = struct.Struct(">i")
 _PREFIX = struct.Struct(">hhi")  # api key, api version, correlation id

@@ -103,7 +103,8 @@ class ConsumerGroupApis:
             rebalance_timeout_ms=int(req.rebalance_timeout.total_seconds() * 1000),
             subscribed_topic_names=tuple(names) if names is not None else None,
             subscribed_topic_regex=getattr(req, "subscribed_topic_regex", None),
-            server_assignor=req.server_assignor, owned=owned, client_id=codec.current_client_id() or ""),
+            server_assignor=req.server_assignor, owned=owned, client_id=codec.current_client_id() or "",
+            client_host=codec.current_client_host()),
             view.partitions())
         self.c._kick()
         if res.error == ErrorCode.none and req.member_epoch == 0:

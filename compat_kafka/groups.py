@@ -861,7 +861,7 @@ class GroupCoordinator:
                 protocol_type=req.protocol_type, protocols=tuple((p.name, p.metadata) for p in req.protocols),
                 session_timeout_ms=int(req.session_timeout.total_seconds() * 1000),
                 rebalance_timeout_ms=int(rebalance_ms), require_known_member_id=version >= 4,
-                client_id=codec.current_client_id() or ""))
+                client_id=codec.current_client_id() or "", client_host=codec.current_client_host()))
             self._kick()
             result: JoinResult = await fut
             if result.error == ErrorCode.none:

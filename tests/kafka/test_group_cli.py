@@ -67,7 +67,7 @@ def test_groups_list_describe_reset_and_delete_like_kafka_consumer_groups(shim, 
         rows = {r["partition"]: r for r in d["partitions"]}
         assert [(rows[i]["committed"], rows[i]["log_end"], rows[i]["lag"], rows[i]["client_id"]) for i in (0, 1)] \
             == [(10, 15, 5, "cli-member"), (5, 15, 10, "cli-member")]
-        assert d["lag"] == 15
+        assert d["lag"] == 15 and {rows[i]["host"] for i in (0, 1)} == {"/127.0.0.1"}
         table = scroll("describe", group, "--bootstrap", b).stdout
         assert "LOG-END-OFFSET" in table and "total lag 15" in table
 
@@ -116,7 +116,7 @@ def test_a_consumer_protocol_group_is_described_with_members_and_lag(shim, topic
 
         view, listed = asyncio.run(main())
         assert (view.group_type, view.state, view.assignor) == ("consumer", "Stable", "uniform")
-        assert [m.client_id for m in view.members] == ["new-member"]
+        assert [(m.client_id, m.host) for m in view.members] == [("new-member", "/127.0.0.1")]
         assert [(r.partition, r.committed, r.log_end, r.lag) for r in view.partitions] == [(0, 3, 10, 7), (1, 10, 10, 0)]
         assert {(g.group, g.group_type) for g in listed} >= {(group, "consumer")}
     finally:
