@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import itertools
 import logging
+import re
 import struct
 from dataclasses import asdict, dataclass, field
 
@@ -39,6 +40,8 @@ from kio.schema.metadata.v12 import MetadataRequest
 from kio.schema.metadata.v12.request import MetadataRequestTopic
 from kio.schema.offset_commit.v9 import OffsetCommitRequest
 from kio.schema.offset_commit.v9.request import OffsetCommitRequestPartition, OffsetCommitRequestTopic
+from kio.schema.offset_delete.v0 import OffsetDeleteRequest
+from kio.schema.offset_delete.v0.request import OffsetDeleteRequestPartition, OffsetDeleteRequestTopic
 from kio.schema.offset_fetch.v8 import OffsetFetchRequest
 from kio.schema.offset_fetch.v8.request import OffsetFetchRequestGroup
 
@@ -398,6 +401,23 @@ class KafkaAdmin:
             raise AdminError(f"OffsetCommit for group {group!r} failed for {len(errors)} partitions, e.g. "
                              f"{t} {p}: {code.name}")
 
+    async def delete_offsets(self, group: str, topics: list[str]) -> dict[TP, str | None]:
+        """OffsetDelete (KIP-496) for the named partitions: {partition: None, or the error name}."""
+        tps = await self._reset_partitions(group, topics)
+        by_topic: dict[str, list[int]] = {}
+        for t, p in tps:
+            by_topic.setdefault(t, []).append(p)
+        node = await self.coordinator(group)
+        r = await self.node_call(node, OffsetDeleteRequest(group_id=group, topics=tuple(
+            OffsetDeleteRequestTopic(name=t, partitions=tuple(OffsetDeleteRequestPartition(partition_index=p)
+                                                              for p in ps)) for t, ps in by_topic.items())))
+        if r.error_code == ErrorCode.group_id_not_found:
+            raise AdminError(f"Consumer group '{group}' does not exist.")
+        if r.error_code != ErrorCode.none:
+            raise AdminError(f"OffsetDelete for group {group!r}: {r.error_code.name}")
+        return {(t.name, p.partition_index): (None if p.error_code == ErrorCode.none else p.error_code.name)
+                for t in r.topics for p in t.partitions}
+
     async def delete_group(self, group: str) -> None:
         node = await self.coordinator(group)
         r = await self.node_call(node, DeleteGroupsRequest(groups_names=(group,)))
@@ -429,6 +449,19 @@ def decode_assignment(raw: bytes) -> list[TP]:
     except (struct.error, UnicodeDecodeError):
         return []
     return sorted(out)
+
+
+_DURATION = re.compile(r"P(?:(\d+)D)?(?:T(?:(\d+)H)?(?:(\d+)M)?(?:(\d+(?:\.\d+)?)S)?)?")
+
+
+def parse_duration_ms(text: str) -> int:
+    """``--by-duration``: an ISO 8601 duration as Kafka's tool takes it, ``PnDTnHnMnS`` (e.g.
+    ``PT1H30M``, ``P1D``), in milliseconds."""
+    m = _DURATION.fullmatch(text.strip().upper())
+    if m is None or not any(m.groups()) or text.strip().upper().endswith("T"):
+        raise AdminError(f"--by-duration {text!r} is not a duration like PT1H30M or P1DT2H")
+    d, h, mi, sec = (float(g) if g else 0.0 for g in m.groups())
+    return int(((d * 24 + h) * 60 + mi) * 60_000 + sec * 1000)
 
 
 def parse_datetime_ms(text: str) -> int:

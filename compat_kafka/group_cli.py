@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 
 import click
 
-from .group_admin import AdminError, KafkaAdmin, parse_datetime_ms
+from .group_admin import AdminError, KafkaAdmin, parse_datetime_ms, parse_duration_ms
 
 bootstrap_option = click.option("--bootstrap", "--bootstrap-server", "bootstrap", envvar="SCROLL_KAFKA_BOOTSTRAP",
                                 default="127.0.0.1:9092", show_default=True,
@@ -49,6 +50,7 @@ def groups_command() -> None:
       scroll kafka groups list --bootstrap 127.0.0.1:9092
       scroll kafka groups describe orders-app
       scroll kafka groups reset-offsets orders-app --topic orders --to-earliest --execute
+      scroll kafka groups delete-offsets orders-app --topic old-topic
       scroll kafka groups delete orders-app
     """
 
@@ -69,15 +71,21 @@ def list_cmd(bootstrap: str, timeout: float, as_json: bool) -> None:
 
 
 @groups_command.command("describe")
-@click.argument("groups", nargs=-1, required=True)
+@click.argument("groups", nargs=-1)
 @bootstrap_option
 @timeout_option
 @json_option
+@click.option("--all-groups", is_flag=True, help="every group of the cluster")
 @click.option("--members", "members_only", is_flag=True, help="one row per member instead of per partition")
-def describe_cmd(groups: tuple[str, ...], bootstrap: str, timeout: float, as_json: bool, members_only: bool) -> None:
+def describe_cmd(groups: tuple[str, ...], bootstrap: str, timeout: float, as_json: bool, all_groups: bool,
+                 members_only: bool) -> None:
     """Per partition: committed offset, log-end offset, lag and the member consuming it."""
+    if bool(groups) == all_groups:
+        raise click.UsageError("name groups, or give --all-groups")
+
     async def fn(admin: KafkaAdmin):
-        return [await admin.describe(g) for g in groups]
+        names = groups or [g.group for g in await admin.list_groups()]
+        return [await admin.describe(g) for g in names]
 
     views = _run(bootstrap, timeout, fn)
     if as_json:
@@ -112,17 +120,19 @@ def describe_cmd(groups: tuple[str, ...], bootstrap: str, timeout: float, as_jso
 @click.option("--shift-by", type=int, default=None, help="the committed offset plus N (N may be negative)")
 @click.option("--to-datetime", default=None, help="the first offset at or after this ISO 8601 time (UTC by default)")
 @click.option("--to-timestamp", type=int, default=None, help="the first offset at or after this time (ms since epoch)")
+@click.option("--by-duration", default=None, help="the first offset at or after now minus this ISO 8601 duration (PT1H)")
 @click.option("--dry-run", is_flag=True, help="only show the new offsets (the default)")
 @click.option("--execute", is_flag=True, help="commit the new offsets")
 def reset_cmd(group: str, bootstrap: str, timeout: float, as_json: bool, topics: tuple[str, ...], all_topics: bool,
               to: str | None, to_offset: int | None, shift_by: int | None, to_datetime: str | None,
-              to_timestamp: int | None, dry_run: bool, execute: bool) -> None:
+              to_timestamp: int | None, by_duration: str | None, dry_run: bool, execute: bool) -> None:
     """Reset GROUP's committed offsets; refused while the group has active members (as Kafka's tool)."""
     chosen = [(name, v) for name, v in (("earliest", to), ("offset", to_offset), ("shift", shift_by),
-                                         ("datetime", to_datetime), ("timestamp", to_timestamp)) if v is not None]
+                                         ("datetime", to_datetime), ("timestamp", to_timestamp),
+                                         ("duration", by_duration)) if v is not None]
     if len(chosen) != 1:
         raise click.UsageError("give exactly one of --to-earliest, --to-latest, --to-offset, --shift-by, "
-                               "--to-datetime, --to-timestamp")
+                               "--to-datetime, --to-timestamp, --by-duration")
     if bool(topics) == all_topics:
         raise click.UsageError("give --topic (repeatable) or --all-topics")
     if dry_run and execute:
@@ -130,11 +140,12 @@ def reset_cmd(group: str, bootstrap: str, timeout: float, as_json: bool, topics:
     kind, value = chosen[0]
     if kind == "earliest":
         kind, value = to, None
-    elif kind == "datetime":
+    elif kind in ("datetime", "duration"):
         try:
-            kind, value = "timestamp", parse_datetime_ms(to_datetime)
+            value = parse_datetime_ms(value) if kind == "datetime" else int(time.time() * 1000) - parse_duration_ms(value)
         except AdminError as exc:
             raise click.UsageError(str(exc)) from None
+        kind = "timestamp"
 
     async def fn(admin: KafkaAdmin):
         plan = await admin.plan_reset(group, list(topics) if topics else None, to=kind, value=value)
@@ -151,6 +162,26 @@ def reset_cmd(group: str, bootstrap: str, timeout: float, as_json: bool, topics:
                       [[r["group"], r["topic"], r["partition"], r["new_offset"]] for r in rows]))
     if not execute:
         click.echo("(dry run: nothing was committed; add --execute to commit these offsets)", err=True)
+
+
+@groups_command.command("delete-offsets")
+@click.argument("group")
+@bootstrap_option
+@timeout_option
+@json_option
+@click.option("--topic", "topics", multiple=True, required=True, help="TOPIC or TOPIC:P,P,... (repeatable)")
+def delete_offsets_cmd(group: str, bootstrap: str, timeout: float, as_json: bool, topics: tuple[str, ...]) -> None:
+    """Delete GROUP's committed offsets of some partitions (OffsetDelete): refused per partition for
+    topics an active member subscribes to (GROUP_SUBSCRIBED_TO_TOPIC)."""
+    results = _run(bootstrap, timeout, lambda a: a.delete_offsets(group, list(topics)))
+    rows = [{"topic": t, "partition": p, "error": e} for (t, p), e in sorted(results.items())]
+    if as_json:
+        click.echo(json.dumps(rows))
+    else:
+        click.echo(_table(["TOPIC", "PARTITION", "STATUS"],
+                          [[r["topic"], r["partition"], r["error"] or "Successful"] for r in rows]))
+    if any(r["error"] for r in rows):
+        raise SystemExit(1)
 
 
 @groups_command.command("delete")

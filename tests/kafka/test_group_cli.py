@@ -15,9 +15,11 @@ import time
 import urllib.request
 
 import pytest
+from click.testing import CliRunner
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from compat_kafka.cli import kafka_command
 from compat_kafka.group_admin import KafkaAdmin
 from streams.tools.localcluster import free_port
 
@@ -27,9 +29,15 @@ from .test_groups import assignment, consumer, coordinator, create_topic, poll_u
 pytestmark = pytest.mark.process
 
 
-def scroll(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "groups", *args], capture_output=True,
-                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+def scroll(*args: str, check: bool = True, process: bool = False) -> subprocess.CompletedProcess:
+    """``scroll kafka groups ARGS``: the real command in a subprocess (``process``), else the same
+    click command in this process (1.3 s less per call)."""
+    if process:
+        r = subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "groups", *args], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    else:
+        res = CliRunner().invoke(kafka_command, ["groups", *args], catch_exceptions=False)
+        r = subprocess.CompletedProcess(args, res.exit_code, res.stdout, res.stderr)
     if check and r.returncode != 0:
         raise AssertionError(f"scroll kafka groups {' '.join(args)}: exit {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r
@@ -58,11 +66,11 @@ def test_groups_list_describe_reset_and_delete_like_kafka_consumer_groups(shim, 
         poll_until([c], lambda: len(assignment(c)) == 2)
         c.commit(offsets=[TopicPartition(topic, 0, 10), TopicPartition(topic, 1, 5)], asynchronous=False)
 
-        listed = json.loads(scroll("list", "--bootstrap", b, "--json").stdout)
+        listed = json.loads(scroll("list", "--bootstrap", b, "--json", process=True).stdout)
         mine = next(g for g in listed if g["group"] == group)
         assert (mine["type"], mine["state"], mine["protocol_type"]) == ("classic", "Stable", "consumer")
 
-        [d] = json.loads(scroll("describe", group, "--bootstrap", b, "--json").stdout)
+        [d] = json.loads(scroll("describe", group, "--bootstrap", b, "--json", process=True).stdout)
         assert d["state"] == "Stable" and [m["client_id"] for m in d["members"]] == ["cli-member"]
         rows = {r["partition"]: r for r in d["partitions"]}
         assert [(rows[i]["committed"], rows[i]["log_end"], rows[i]["lag"], rows[i]["client_id"]) for i in (0, 1)] \
@@ -72,7 +80,7 @@ def test_groups_list_describe_reset_and_delete_like_kafka_consumer_groups(shim, 
         assert "LOG-END-OFFSET" in table and "total lag 15" in table
 
         refused = scroll("reset-offsets", group, "--bootstrap", b, "--topic", topic, "--to-earliest", "--execute",
-                         check=False)
+                         check=False, process=True)
         assert refused.returncode == 1
         assert f"Assignments can only be reset if the group '{group}' is inactive" in refused.stderr
     finally:
@@ -83,13 +91,22 @@ def test_groups_list_describe_reset_and_delete_like_kafka_consumer_groups(shim, 
     assert not dry["executed"] and [r["new_offset"] for r in dry["offsets"]] == [0, 0]
     assert committed(b, group) == {(topic, 0): 10, (topic, 1): 5}  # a dry run commits nothing
 
-    scroll("reset-offsets", group, "--bootstrap", b, "--topic", f"{topic}:1", "--to-offset", "100", "--execute")
+    scroll("reset-offsets", group, "--bootstrap", b, "--topic", f"{topic}:1", "--to-offset", "100", "--execute",
+           process=True)
     assert committed(b, group) == {(topic, 0): 10, (topic, 1): 15}  # clamped to the log end
     scroll("reset-offsets", group, "--bootstrap", b, "--all-topics", "--to-datetime",
            "2023-11-14T22:13:24Z", "--execute")  # t0 + 4 s
     assert committed(b, group) == {(topic, 0): 4, (topic, 1): 4}
     out = scroll("reset-offsets", group, "--bootstrap", b, "--all-topics", "--shift-by", "-10").stdout
     assert out.split()[-4:] == [group, topic, "1", "0"]  # clamped to the log start
+    scroll("reset-offsets", group, "--bootstrap", b, "--all-topics", "--by-duration", "PT1H", "--execute")
+    assert committed(b, group) == {(topic, 0): 15, (topic, 1): 15}  # nothing that recent: the log end
+    gone = json.loads(scroll("delete-offsets", group, "--bootstrap", b, "--topic", f"{topic}:0", "--json").stdout)
+    assert gone == [{"topic": topic, "partition": 0, "error": None}]
+    assert committed(b, group) == {(topic, 1): 15}
+    usage = scroll("reset-offsets", group, "--bootstrap", b, "--all-topics", "--to-earliest", "--to-offset", "3",
+                   check=False)
+    assert usage.returncode == 2 and "exactly one of" in usage.stderr
 
     assert "Deleted consumer group" in scroll("delete", group, "--bootstrap", b).stdout
     again = scroll("delete", group, "--bootstrap", b, check=False)
