@@ -17,7 +17,7 @@ import time
 import uuid
 
 import pytest
-from confluent_kafka import Consumer, ConsumerGroupType
+from confluent_kafka import Consumer, ConsumerGroupType, KafkaException
 from confluent_kafka.admin import AdminClient
 from kio.schema.consumer_group_heartbeat.v1 import ConsumerGroupHeartbeatRequest
 from kio.schema.errors import ErrorCode
@@ -246,3 +246,57 @@ def test_member_epochs_guard_commits_and_fetches_and_group_kinds_do_not_mix(shim
         assert r.error_code == ErrorCode.group_id_not_found and "not a consumer group" in r.error_message
     finally:
         old.close()
+
+
+def test_members_rejoin_and_keep_consuming_when_their_coordinator_moves(kafka_cluster, shim, tmp_path, topic):
+    """Membership is in the coordinator's memory: when the listener coordinating the group stops,
+    the other takes the group over; members get NOT_COORDINATOR / UNKNOWN_MEMBER_ID, rejoin with
+    epoch 0 and consumption goes on from the committed offsets (records whose commit failed in the
+    move may be read again; none is lost)."""
+    from .shimproc import ShimProcess
+    from .test_groups import coordinator
+
+    proc = ShimProcess(kafka_cluster.metadata_url, tmp_path).start_and_wait()
+    cs: list[Consumer] = []
+    try:
+        create_topic(shim.bootstrap, topic, 2)
+        produce(shim.bootstrap, topic, 20, 2)
+        admin = AdminClient({"bootstrap.servers": proc.bootstrap})
+        node = proc.node_id()
+        deadline = time.monotonic() + 15
+        while not any(b.port == proc.port for b in admin.list_topics(timeout=10).brokers.values()):
+            assert time.monotonic() < deadline, "the new listener is not listed"
+        group = next(g for g in (f"mv{i}-{topic}" for i in range(64)) if coordinator(admin, g) == node)
+        boot = f"{proc.bootstrap},{shim.bootstrap}"
+        cs = [new_consumer(boot, group), new_consumer(boot, group)]
+        for c in cs:
+            c.subscribe([topic])
+        seen: list[tuple[int, int]] = []
+        uncommitted: set[tuple[int, int]] = set()
+
+        def consume(done, timeout=40):
+            deadline = time.monotonic() + timeout
+            while not done():
+                assert time.monotonic() < deadline, f"timed out with {len(set(seen))} records"
+                for c in cs:
+                    m = c.poll(0.05)
+                    if m is None or m.error() is not None:
+                        continue
+                    seen.append((m.partition(), m.offset()))
+                    try:
+                        c.commit(message=m, asynchronous=False)
+                    except KafkaException:
+                        uncommitted.add((m.partition(), m.offset()))
+
+        consume(lambda: len(set(seen)) >= 20 and all(assignment(c) for c in cs))
+        proc.stop()  # SIGTERM: it deregisters; the session listener coordinates the group from now on
+        produce(shim.bootstrap, topic, 20, 2, prefix="n")
+        consume(lambda: len(set(seen)) >= 40 and all(assignment(c) for c in cs))
+        assert coordinator(AdminClient({"bootstrap.servers": shim.bootstrap}), group) != node
+        assert set(seen) == {(p, o) for p in (0, 1) for o in range(20)}
+        twice = {r for r in seen if seen.count(r) > 1}
+        assert twice <= uncommitted, (twice, uncommitted)  # only records whose commit failed come again
+    finally:
+        for c in cs:
+            c.close()
+        proc.stop()
