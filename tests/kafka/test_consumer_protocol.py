@@ -300,3 +300,37 @@ def test_members_rejoin_and_keep_consuming_when_their_coordinator_moves(kafka_cl
         for c in cs:
             c.close()
         proc.stop()
+
+
+def test_a_static_member_that_restarts_gets_its_partitions_back_and_the_others_keep_theirs(shim, topic):
+    create_topic(shim.bootstrap, topic, 4)
+    group = f"g-{topic}"
+
+    def member(instance: str) -> Consumer:
+        c = new_consumer(shim.bootstrap, group, **{"group.instance.id": instance})
+        c.subscribe([topic])
+        return c
+
+    a, b = member("a"), member("b")
+    b2 = None
+    try:
+        poll_until([a, b], lambda: len(assignment(a)) == 2 and len(assignment(b)) == 2)
+        mine, theirs = assignment(a), assignment(b)
+        b.close()  # a static member's close leaves with epoch -2: its partitions wait for it
+        admin = AdminClient({"bootstrap.servers": shim.bootstrap})  # (kept: its futures die with it)
+        assert len(admin.describe_consumer_groups([group])[group].result(timeout=20).members) == 2
+        b2 = member("b")
+        poll_until([a, b2], lambda: assignment(b2) == theirs)
+        assert assignment(a) == mine
+        # a second live member with the same instance id is refused
+        r = heartbeat(shim.port, group, str(uuid.uuid4()), 0, (topic,))
+        assert r.error_code == ErrorCode.none  # (no instance id: an ordinary member)
+        dup = call(shim.port, ConsumerGroupHeartbeatRequest(
+            group_id=group, member_id=str(uuid.uuid4()), member_epoch=0, instance_id="b",
+            rebalance_timeout=datetime.timedelta(seconds=10), subscribed_topic_names=(topic,), topic_partitions=()))
+        assert dup.error_code == ErrorCode.unreleased_instance_id
+        assert heartbeat(shim.port, group, r.member_id, -1).error_code == ErrorCode.none
+    finally:
+        a.close()
+        if b2 is not None:
+            b2.close()
