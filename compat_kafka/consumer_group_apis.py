@@ -13,6 +13,7 @@ The coordinator's timer task runs the groups' session and revocation timeouts.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import uuid
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from kio.schema.errors import ErrorCode
 from . import codec
 from .codec import ZERO_MS, build, nested
 from .consumer_groups import TP, ConsumerGroup, Heartbeat, by_topic
+from .groups import GroupKind
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +110,6 @@ class ConsumerGroupApis:
             view.partitions())
         self.c._kick()
         if res.error == ErrorCode.none and req.member_epoch == 0:
-            from .groups import GroupKind
-
             await self.c.remember_kind(gid, GroupKind("consumer", "consumer"))
         if res.error != ErrorCode.none:
             log.info("group=%s member %s epoch %d: %s %s", gid, req.member_id, req.member_epoch, res.error.name,
@@ -169,7 +169,5 @@ class ConsumerGroupApis:
         return build(resp_cls, throttle_time=ZERO_MS, groups=tuple(out))
 
 
-def _ms(ms: int):
-    import datetime
-
+def _ms(ms: int) -> datetime.timedelta:
     return datetime.timedelta(milliseconds=ms)

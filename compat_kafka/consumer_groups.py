@@ -281,11 +281,13 @@ class ConsumerGroup:
             return err
         if hb.member_epoch == LEAVE_EPOCH or hb.member_epoch == STATIC_LEAVE_EPOCH:
             return self._leave(now, hb)
+        returning = False
         if hb.member_epoch == 0:
             res = self._join(now, hb)
             if isinstance(res, HeartbeatResult):
                 return res
             m = res
+            returning = m.epoch > 0  # a static member taking its place back: no new epoch unless it changed
         else:
             m = self.members.get(hb.member_id)
             if m is None or m.left_static:
@@ -301,7 +303,7 @@ class ConsumerGroup:
             m.rack_id = hb.rack_id
         if hb.rebalance_timeout_ms >= 0:
             m.rebalance_timeout_s = hb.rebalance_timeout_ms / 1000
-        changed = hb.member_epoch == 0
+        changed = hb.member_epoch == 0 and not returning
         if hb.subscribed_topic_names is not None and tuple(sorted(hb.subscribed_topic_names)) != m.subscribed_names:
             m.subscribed_names, changed = tuple(sorted(hb.subscribed_topic_names)), True
         if hb.subscribed_topic_regex is not None and (hb.subscribed_topic_regex or None) != m.subscribed_regex:

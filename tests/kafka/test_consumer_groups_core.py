@@ -190,6 +190,7 @@ def test_static_member_returning_keeps_its_partitions_and_a_duplicate_is_refused
     back = d.g.heartbeat(1, Heartbeat("s3", 0, instance_id="i", rebalance_timeout_ms=5000,
                                       subscribed_topic_names=("a",), owned=frozenset()), TOPICS)
     assert back.error == ErrorCode.none and back.assignment == mine and set(d.g.members) == {"s3"}
+    assert back.member_epoch == r.member_epoch == d.g.group_epoch  # no rebalance for a returning member
 
 
 def test_bad_heartbeats_get_clear_errors():
