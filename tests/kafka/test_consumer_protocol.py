@@ -20,6 +20,7 @@ import pytest
 from confluent_kafka import Consumer, ConsumerGroupType, KafkaException
 from confluent_kafka.admin import AdminClient
 from kio.schema.consumer_group_heartbeat.v1 import ConsumerGroupHeartbeatRequest
+from kio.schema.describe_groups.v5 import DescribeGroupsRequest
 from kio.schema.errors import ErrorCode
 from kio.schema.join_group.v9 import JoinGroupRequest
 from kio.schema.join_group.v9.request import JoinGroupRequestProtocol
@@ -225,6 +226,9 @@ def test_member_epochs_guard_commits_and_fetches_and_group_kinds_do_not_mix(shim
     admin_view = fetch(None, -1)  # an admin reads without a member id
     assert admin_view.error_code == ErrorCode.none and admin_view.topics[0].partitions[0].committed_offset == 3
 
+    # DescribeGroups (the classic describe, v0-5) does not see a consumer group: Dead, no error, as Kafka
+    dg = call(port, DescribeGroupsRequest(groups=(group,), include_authorized_operations=False)).groups[0]
+    assert (dg.error_code, dg.group_state, dg.protocol_type, dg.members) == (ErrorCode.none, "Dead", "", ())
     # a classic member cannot join this consumer group
     ten_s = datetime.timedelta(seconds=10)
     j = call(port, JoinGroupRequest(group_id=group, session_timeout=ten_s, rebalance_timeout=ten_s, member_id="",
