@@ -35,9 +35,7 @@ class TopicsView:
     by_name: dict[str, tuple[uuid.UUID, int]]  # name -> (topic id, partitions)
     by_id: dict[uuid.UUID, str]
     at: float
-
-    def partitions(self) -> dict[str, int]:
-        return {n: p for n, (_, p) in self.by_name.items()}
+    partitions: dict[str, int]  # name -> partitions: one object per snapshot (groups skip re-resolving it)
 
 
 class ConsumerGroupApis:
@@ -50,7 +48,8 @@ class ConsumerGroupApis:
         if view is None or fresh or now - view.at > TOPICS_MAX_AGE_S:
             metas = await self.c.broker.topics()
             view = self._topics = TopicsView({m.name: (m.topic_id, m.partitions) for m in metas},
-                                             {m.topic_id: m.name for m in metas}, now)
+                                             {m.topic_id: m.name for m in metas}, now,
+                                             {m.name: m.partitions for m in metas})
         return view
 
     # ------------------------------------------------------------ ConsumerGroupHeartbeat
@@ -107,7 +106,7 @@ class ConsumerGroupApis:
             subscribed_topic_regex=getattr(req, "subscribed_topic_regex", None),
             server_assignor=req.server_assignor, owned=owned, client_id=codec.current_client_id() or "",
             client_host=codec.current_client_host()),
-            view.partitions())
+            view.partitions)
         self.c._kick()
         if res.error == ErrorCode.none and req.member_epoch == 0:
             await self.c.remember_kind(gid, GroupKind("consumer", "consumer"))

@@ -198,15 +198,57 @@ class ConsumerMember:
 
 
 _REGEX_CACHE: dict[str, re.Pattern] = {}
+MAX_REGEX_CHARS = 1000
+MAX_REGEX_REPEATS = 3  # unbounded repetitions in one pattern: matching stays polynomial of low degree
 
 
 def _compiled(pattern: str) -> re.Pattern:
     rx = _REGEX_CACHE.get(pattern)
     if rx is None:
+        check_regex(pattern)
         if len(_REGEX_CACHE) > 1000:
             _REGEX_CACHE.clear()
         rx = _REGEX_CACHE[pattern] = re.compile(pattern)
     return rx
+
+
+def check_regex(pattern: str) -> None:
+    """Refuse (``re.error``) what RE2 refuses and what would make Python's backtracking ``re`` take
+    exponential time on a topic name (a client must not be able to stall the listener):
+    backreferences, lookaround, conditionals, a repetition of something that itself repeats or
+    alternates (``(a+)+``, ``(a|aa)*``), and more than ``MAX_REGEX_REPEATS`` repetitions
+    (``.*a.*a.*a.*b``); ``(a|b)-.*`` and ``x.*y.*`` are fine."""
+    if len(pattern) > MAX_REGEX_CHARS:
+        raise re.error(f"longer than {MAX_REGEX_CHARS} characters")
+    from re import _constants as c
+    from re import _parser
+
+    repeats_seen = 0
+
+    def walk(items, in_repeat: bool) -> None:
+        nonlocal repeats_seen
+        for op, av in items:
+            if op in (c.GROUPREF, c.GROUPREF_EXISTS, c.ASSERT, c.ASSERT_NOT):
+                raise re.error("backreferences, lookaround and conditionals are not supported (as in RE2)")
+            if op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+                lo, hi, sub = av
+                repeats = hi > 1
+                if repeats and in_repeat:
+                    raise re.error("a repetition inside a repetition is refused here (Python's re backtracks)")
+                repeats_seen += repeats
+                if repeats_seen > MAX_REGEX_REPEATS:
+                    raise re.error(f"more than {MAX_REGEX_REPEATS} repetitions are refused here "
+                                   "(Python's re backtracks)")
+                walk(sub, in_repeat or repeats)
+            elif op == c.BRANCH:
+                if in_repeat:
+                    raise re.error("an alternation inside a repetition is refused here (Python's re backtracks)")
+                for branch in av[1]:
+                    walk(branch, in_repeat)
+            elif op in (c.SUBPATTERN, c.ATOMIC_GROUP):
+                walk(av[-1], in_repeat)
+
+    walk(_parser.parse(pattern).data, False)
 
 
 @dataclass(frozen=True)
@@ -238,6 +280,7 @@ class ConsumerGroup:
         self.static: dict[str, str] = {}  # instance id -> member id
         self.target: dict[str, frozenset[TP]] = {}
         self.subscribed_partitions: dict[str, int] = {}  # topic -> partitions, of subscribed topics
+        self._resolved_for: Mapping[str, int] | None = None  # the topics map subscribed_partitions came from
         self.dead = False
 
     # ------------------------------------------------------------ queries
@@ -395,12 +438,17 @@ class ConsumerGroup:
         if m.instance_id is not None and self.static.get(m.instance_id) == m.member_id:
             del self.static[m.instance_id]
         self.target.pop(m.member_id, None)
+        self._resolved_for = None  # its subscription may have been the only one to some topic
         self._bump()
         self._compute_target()
 
     def refresh(self, now: float, topics: Mapping[str, int], force: bool = False) -> None:
         """Recompute the subscribed topics' partitions; a change (or ``force``) bumps the group
-        epoch and computes a new target assignment."""
+        epoch and computes a new target assignment. Nothing to do for the same ``topics`` object
+        (the caller passes one map per topics snapshot) when nothing else changed."""
+        if topics is self._resolved_for and not force:
+            return
+        self._resolved_for = topics
         wanted: dict[str, int] = {}
         for m in self.members.values():
             for t in m.subscribed_names:

@@ -200,6 +200,9 @@ def test_bad_heartbeats_get_clear_errors():
     rx = g.heartbeat(0, Heartbeat("m", 0, rebalance_timeout_ms=1000, subscribed_topic_regex="(", owned=frozenset()),
                      TOPICS)
     assert rx.error == ErrorCode.invalid_regular_expression
+    slow = g.heartbeat(0, Heartbeat("m", 0, rebalance_timeout_ms=1000, subscribed_topic_regex="(a+)+$",
+                                    owned=frozenset()), TOPICS)  # exponential in Python's re: refused
+    assert slow.error == ErrorCode.invalid_regular_expression and "repetition" in slow.message
     asg = g.heartbeat(0, Heartbeat("m", 0, rebalance_timeout_ms=1000, subscribed_topic_names=("a",),
                                    server_assignor="sticky", owned=frozenset()), TOPICS)
     assert asg.error == ErrorCode.unsupported_assignor
