@@ -721,6 +721,7 @@ class GroupCoordinator:
     def _abandon(self, group_id: str) -> None:
         """Forget a group this shim no longer coordinates; its waiting requests get NOT_COORDINATOR
         (the members find the new coordinator and rejoin there)."""
+        self._kinds.pop(group_id, None)  # the other coordinator may delete the group meanwhile
         if self.consumer_groups.pop(group_id, None) is not None:
             log.info("group=%s: no longer coordinated here; dropping its consumer group state", group_id)
         g = self.groups.pop(group_id, None)
