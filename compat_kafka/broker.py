@@ -299,10 +299,15 @@ class Broker:
         else:
             allow = getattr(req, "allow_auto_topic_creation", True) and await self.admin.auto_create_topics()
             metas = []
+            by_id = None
             for t in req.topics:
                 name = t.name
-                if name is None:  # by topic id only: not served yet
-                    metas.append((None, UnknownTopicOrPartition("topic ids are not resolved yet")))
+                if name is None:  # by topic id (v10+; KIP-848 consumers resolve their assignments so)
+                    if by_id is None:
+                        by_id = {m.topic_id: m for m in await self.topics()}
+                    m = by_id.get(getattr(t, "topic_id", None))
+                    metas.append((None, m) if m is not None else
+                                 (None, UnknownTopicOrPartition(f"unknown topic id {getattr(t, 'topic_id', None)}")))
                     continue
                 metas.append((name, await self._topic_or_create(name, allow)))
         live = await self.ownership.brokers(max_age_s=0.5)

@@ -3,7 +3,9 @@
 Several shims can serve one cluster: each registers as a broker (``--node-id``, unique among live
 shims; by default one is allocated from the metadata store) advertising ``--advertised-host`` and
 its port, and serves the partitions it owns (see ``compat_kafka.ownership``). ``--lease-ttl`` is how
-long a dead shim keeps its partitions before the others take them over.
+long a dead shim keeps its partitions before the others take them over. ``--metrics-port`` serves
+Prometheus metrics (consumer group lag, ``metrics.py``). ``scroll kafka groups ...`` is the
+operators' view of consumer groups (``group_cli.py``), a client of a running listener.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 import click
 
 from .broker import Broker, BrokerConfig
+from .group_cli import groups_command
 from .server import KafkaServer, ServerConfig
 
 
@@ -47,8 +50,8 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
         await client.close()
 
 
-@click.command("kafka")
-@click.option("--metadata", "metadata_url", required=True, help="metadata store URL, e.g. etcd://127.0.0.1:2379")
+@click.group("kafka", invoke_without_command=True)
+@click.option("--metadata", "metadata_url", default=None, help="metadata store URL, e.g. etcd://127.0.0.1:2379")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", default=9092, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--advertised-host", default="127.0.0.1", show_default=True,
@@ -63,11 +66,27 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
               help="partitions of an auto-created topic (and of CreateTopics with -1)")
 @click.option("--no-auto-create", is_flag=True, help="do not create unknown topics on Metadata requests")
 @click.option("--max-frame-bytes", default=64 << 20, show_default=True, type=click.IntRange(1024, 1 << 30))
+@click.option("--metrics-port", default=None, type=click.IntRange(1, 65535),
+              help="serve Prometheus metrics (consumer group lag) over HTTP on this port [default: none]")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="address of the metrics endpoint")
 @click.option("--no-fetch-sessions", is_flag=True, help="decline KIP-227 incremental fetch sessions")
-def kafka_command(metadata_url: str, host: str, port: int, advertised_host: str, node_id: int | None,
-                  lease_ttl: float, test_drop_produce_response_every: int, default_partitions: int,
-                  no_auto_create: bool, max_frame_bytes: int, no_fetch_sessions: bool) -> None:
-    """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams."""
+@click.pass_context
+def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port: int, advertised_host: str,
+                  node_id: int | None, lease_ttl: float, test_drop_produce_response_every: int,
+                  default_partitions: int, no_auto_create: bool, max_frame_bytes: int, metrics_port: int | None,
+                  metrics_host: str, no_fetch_sessions: bool) -> None:
+    """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams.
+
+    \b
+    Without a subcommand it serves (--metadata is then required):
+      scroll kafka --metadata etcd://127.0.0.1:2379 --port 9092 [--metrics-port 9405]
+    With one it is a client of a running listener:
+      scroll kafka groups list|describe|reset-offsets|delete --bootstrap 127.0.0.1:9092
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if metadata_url is None:
+        raise click.UsageError("--metadata is required to serve (or give a subcommand, e.g. `groups`)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes)
@@ -77,4 +96,21 @@ def kafka_command(metadata_url: str, host: str, port: int, advertised_host: str,
                                      fetch_sessions=not no_fetch_sessions)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    asyncio.run(serve(metadata_url, server_config, broker_config))
+    metrics = None
+    if metrics_port is not None:
+        from .metrics import ListenerMetrics
+
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        metrics = ListenerMetrics(f"{connect_host}:{port}")
+        try:
+            metrics.serve(metrics_port, metrics_host)
+        except OSError as exc:
+            raise click.BadParameter(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
+    try:
+        asyncio.run(serve(metadata_url, server_config, broker_config))
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+kafka_command.add_command(groups_command, "groups")

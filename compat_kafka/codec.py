@@ -54,8 +54,11 @@ API_DESCRIBE_CONFIGS = 32
 API_ALTER_CONFIGS = 33
 API_CREATE_PARTITIONS = 37
 API_DELETE_GROUPS = 42
+API_OFFSET_DELETE = 47
 API_INCREMENTAL_ALTER_CONFIGS = 44
 API_DESCRIBE_CLUSTER = 60
+API_CONSUMER_GROUP_HEARTBEAT = 68
+API_CONSUMER_GROUP_DESCRIBE = 69
 
 # The versions we serve, per api key (checked against kcat/librdkafka 2.0, confluent-kafka 2.16,
 # aiokafka 0.14 and kafka-python 3.0; bounded below/above by the kio 0.6.5 schemas: OffsetCommit
@@ -79,6 +82,9 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     API_LIST_GROUPS: (0, 5),
     API_DESCRIBE_GROUPS: (0, 5),
     API_DELETE_GROUPS: (0, 2),
+    API_OFFSET_DELETE: (0, 0),
+    API_CONSUMER_GROUP_HEARTBEAT: (0, 1),  # KIP-848 (consumer_groups.py)
+    API_CONSUMER_GROUP_DESCRIBE: (0, 1),
     # admin (admin.py)
     API_DESCRIBE_CONFIGS: (1, 4),
     API_ALTER_CONFIGS: (0, 2),
@@ -121,6 +127,19 @@ def effects_applied() -> None:
     cb = _APPLIED.get()
     if cb is not None:
         cb()
+
+
+# The peer address of the connection a request came on (set once per connection by the server;
+# request tasks inherit it): group members' client host, "/<ip>" as Kafka shows it.
+_CLIENT_HOST: contextvars.ContextVar[str] = contextvars.ContextVar("kafka_client_host", default="")
+
+
+def set_client_host(peer) -> None:
+    _CLIENT_HOST.set(f"/{peer[0]}" if isinstance(peer, tuple) and peer else "")
+
+
+def current_client_host() -> str:
+    return _CLIENT_HOST.get()
 
 MAX_FRAME_BYTES = 64 << 20
 _SIZE = struct.Struct(">i")

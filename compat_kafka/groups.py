@@ -58,11 +58,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import struct
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -72,6 +73,7 @@ from streams.topics import TopicMeta, stream_partition, topic_key
 
 from . import codec
 from .codec import ZERO_MS, build, nested
+from .consumer_groups import ConsumerGroup, ConsumerGroupConfig
 from .errors import code_for
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,7 @@ class GroupConfig:
     max_session_timeout_ms: int = 1_800_000  # group.max.session.timeout.ms
     max_group_size: int = 1000  # group.max.size
     max_metadata_bytes: int = 4096  # offset.metadata.max.bytes
+    consumer: ConsumerGroupConfig = field(default_factory=ConsumerGroupConfig)  # KIP-848 groups
 
     def __post_init__(self):
         if self.initial_rebalance_delay_ms < 0 or self.max_group_size < 1 or self.max_metadata_bytes < 0:
@@ -576,6 +579,30 @@ def offset_key(group: str, topic: str, partition: int) -> str:
     return f"{group_prefix(group)}offsets/{topic}/{partition}"
 
 
+def kind_key(group: str) -> str:
+    return f"{group_prefix(group)}kind"
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """What a group is, kept beside its offsets so that an Empty group (no members in memory, or
+    after a coordinator move) still lists as Kafka lists it: its type (``classic`` for
+    JoinGroup/SyncGroup groups, ``consumer`` for KIP-848 ConsumerGroupHeartbeat groups) and the
+    protocol type its members used (``consumer`` for Kafka consumers; empty for groups that only
+    ever had offsets committed by ``assign`` consumers, which Kafka calls simple groups)."""
+
+    group_type: str = "classic"
+    protocol_type: str = ""
+
+    def encode(self) -> bytes:
+        return json.dumps({"group_type": self.group_type, "protocol_type": self.protocol_type}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> GroupKind:
+        d = json.loads(raw)
+        return cls(str(d["group_type"]), str(d.get("protocol_type") or ""))
+
+
 def _parse_offset_key(key: str) -> tuple[str, str, int] | None:
     """(group, topic, partition) of an offset key, or None for another key under kafka/groups/."""
     parts = key[len(GROUPS_PREFIX):].split("/")
@@ -613,8 +640,33 @@ class OffsetStore:
         return out
 
     async def groups(self) -> set[str]:
-        """Every group with at least one committed offset."""
-        return {p[0] for k, _ in await self.store.list_prefix(GROUPS_PREFIX) if (p := _parse_offset_key(k))}
+        """Every group with at least one committed offset, or a recorded kind."""
+        out = set()
+        for k, _ in await self.store.list_prefix(GROUPS_PREFIX):
+            p = _parse_offset_key(k)
+            if p is not None:
+                out.add(p[0])
+            elif k.endswith("/kind"):
+                out.add(unquote(k[len(GROUPS_PREFIX):].split("/")[0]))
+        return out
+
+    async def kind(self, group: str) -> GroupKind | None:
+        rec = await self.store.get(kind_key(group))
+        if rec is None:
+            return None
+        try:
+            return GroupKind.decode(rec.value)
+        except (ValueError, KeyError, TypeError):
+            log.warning("group=%s: unreadable kind %r", group, rec.value[:100])
+            return None
+
+    async def set_kind(self, group: str, kind: GroupKind) -> None:
+        await self.store.txn({}, {kind_key(group): kind.encode()})
+
+    async def delete_offsets(self, group: str, partitions: list[tuple[str, int]]) -> None:
+        keys = [offset_key(group, t, p) for t, p in partitions]
+        for i in range(0, len(keys), _TXN_PUTS):
+            await self.store.txn({}, {}, tuple(keys[i:i + _TXN_PUTS]))
 
     async def delete_group(self, group: str) -> int:
         keys = [k for k, _ in await self.store.list_prefix(group_prefix(group))]
@@ -632,6 +684,11 @@ class GroupCoordinator:
         self.config = config or GroupConfig()
         self.offsets = OffsetStore(broker.store)
         self.groups: dict[str, Group] = {}
+        self._kinds: dict[str, GroupKind] = {}  # recorded in the store (cache of what we wrote or read)
+        self.consumer_groups: dict[str, ConsumerGroup] = {}  # KIP-848 groups (consumer_group_apis.py)
+        from .consumer_group_apis import ConsumerGroupApis
+
+        self.consumer_apis = ConsumerGroupApis(self)
         self._timer: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
 
@@ -647,6 +704,9 @@ class GroupCoordinator:
             codec.API_LIST_GROUPS: self.list_groups,
             codec.API_DESCRIBE_GROUPS: self.describe_groups,
             codec.API_DELETE_GROUPS: self.delete_groups,
+            codec.API_OFFSET_DELETE: self.offset_delete,
+            codec.API_CONSUMER_GROUP_HEARTBEAT: self.consumer_apis.heartbeat,
+            codec.API_CONSUMER_GROUP_DESCRIBE: self.consumer_apis.describe,
         }
 
     async def close(self) -> None:
@@ -661,6 +721,9 @@ class GroupCoordinator:
     def _abandon(self, group_id: str) -> None:
         """Forget a group this shim no longer coordinates; its waiting requests get NOT_COORDINATOR
         (the members find the new coordinator and rejoin there)."""
+        self._kinds.pop(group_id, None)  # the other coordinator may delete the group meanwhile
+        if self.consumer_groups.pop(group_id, None) is not None:
+            log.info("group=%s: no longer coordinated here; dropping its consumer group state", group_id)
         g = self.groups.pop(group_id, None)
         if g is None:
             return
@@ -702,7 +765,19 @@ class GroupCoordinator:
                     continue
                 if g.is_idle:
                     del self.groups[gid]
-            deadline = min((d for g in self.groups.values() if (d := g.next_deadline()) is not None), default=None)
+            for gid, cg in list(self.consumer_groups.items()):
+                d = cg.next_deadline()
+                try:
+                    if d is not None and d <= now:
+                        cg.tick(now)
+                except Exception:
+                    log.exception("group=%s: timer failed; dropping the group's state", gid)
+                    self._abandon(gid)
+                    continue
+                if cg.is_idle:
+                    del self.consumer_groups[gid]
+            deadline = min((d for g in [*self.groups.values(), *self.consumer_groups.values()]
+                            if (d := g.next_deadline()) is not None), default=None)
             timeout = None if deadline is None else max(0.0, deadline - self._now())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -725,6 +800,25 @@ class GroupCoordinator:
             log.warning("group=%s: coordinator check failed: %r", group_id, exc)
             return ErrorCode.coordinator_not_available
         return None
+
+    async def remember_kind(self, group_id: str, kind: GroupKind) -> None:
+        """Record the group's kind in the store once (best effort: a failure is retried on the next
+        join; the kind only serves ListGroups/DescribeGroups of Empty groups)."""
+        if self._kinds.get(group_id) == kind:
+            return
+        try:
+            await self.offsets.set_kind(group_id, kind)
+            self._kinds[group_id] = kind
+        except Exception as exc:
+            log.warning("group=%s: could not record its kind %s: %r", group_id, kind, exc)
+
+    async def stored_kind(self, group_id: str) -> GroupKind | None:
+        kind = self._kinds.get(group_id)
+        if kind is None:
+            kind = await self.offsets.kind(group_id)
+            if kind is not None:
+                self._kinds[group_id] = kind
+        return kind
 
     # ------------------------------------------------------------ FindCoordinator
     async def find_coordinator(self, req, resp_cls):
@@ -756,6 +850,9 @@ class GroupCoordinator:
     async def join_group(self, req, resp_cls):
         version = resp_cls.__version__
         err = await self._group_error(req.group_id)
+        cg = self.consumer_groups.get(req.group_id)
+        if err is None and cg is not None and cg.members:
+            err = ErrorCode.inconsistent_group_protocol  # a consumer (KIP-848) group: not for JoinGroup
         if err is None:
             g = self._group(req.group_id, create=True)
             fut = asyncio.get_running_loop().create_future()
@@ -765,9 +862,11 @@ class GroupCoordinator:
                 protocol_type=req.protocol_type, protocols=tuple((p.name, p.metadata) for p in req.protocols),
                 session_timeout_ms=int(req.session_timeout.total_seconds() * 1000),
                 rebalance_timeout_ms=int(rebalance_ms), require_known_member_id=version >= 4,
-                client_id=codec.current_client_id() or ""))
+                client_id=codec.current_client_id() or "", client_host=codec.current_client_host()))
             self._kick()
             result: JoinResult = await fut
+            if result.error == ErrorCode.none:
+                await self.remember_kind(req.group_id, GroupKind("classic", result.protocol_type or ""))
         else:
             result = JoinResult(err, req.member_id)
         member_cls = nested(resp_cls, "JoinGroupResponseMember")
@@ -834,8 +933,12 @@ class GroupCoordinator:
         err = await self._group_error(group_id, need_id=False)
         if err is None:
             g = self._group(group_id, create=False)
+            cg = self.consumer_groups.get(group_id)
             generation = req.generation_id_or_member_epoch
-            if g is not None:
+            if cg is not None and (cg.members or generation >= 0):
+                err = cg.check_commit(req.member_id, generation, resp_cls.__version__)
+                err = None if err == ErrorCode.none else err
+            elif g is not None:
                 err = g.check_commit(self._now(), member_id=req.member_id, generation=generation,
                                      instance_id=getattr(req, "group_instance_id", None))
                 err = None if err == ErrorCode.none else err
@@ -882,6 +985,12 @@ class GroupCoordinator:
             part_cls = nested(resp_cls, "OffsetFetchResponsePartitions")
             groups = []
             for rg in req.groups:
+                cg = self.consumer_groups.get(rg.group_id)
+                member_err = cg.check_fetch(getattr(rg, "member_id", None), getattr(rg, "member_epoch", -1)) \
+                    if cg is not None and cg.members else ErrorCode.none
+                if member_err != ErrorCode.none:
+                    groups.append(build(group_cls, group_id=rg.group_id, topics=(), error_code=member_err))
+                    continue
                 err, topics = await self._fetch_group(rg.group_id, rg.topics, topic_cls, part_cls)
                 groups.append(build(group_cls, group_id=rg.group_id, topics=topics, error_code=err))
             return build(resp_cls, throttle_time=ZERO_MS, groups=tuple(groups))
@@ -928,6 +1037,8 @@ class GroupCoordinator:
     async def _known_groups(self) -> dict[str, Group | None]:
         """Groups this shim coordinates: those in memory, and those with committed offsets."""
         known: dict[str, Group | None] = {gid: g for gid, g in self.groups.items() if g.state != DEAD}
+        for gid in self.consumer_groups:
+            known.setdefault(gid, None)
         for gid in await self.offsets.groups():
             known.setdefault(gid, None)
         out = {}
@@ -946,13 +1057,28 @@ class GroupCoordinator:
         states = {s.lower() for s in getattr(req, "states_filter", ())}
         types = {s.lower() for s in getattr(req, "types_filter", ())}
         rows = []
-        for gid, g in sorted(known.items()):
-            state = g.state if g is not None else EMPTY
-            if (states and state.lower() not in states) or (types and "classic" not in types):
-                continue
-            rows.append(build(listed_cls, group_id=gid, protocol_type=(g.protocol_type or "") if g else "",
-                              group_state=state, group_type="classic"))
+        try:
+            for gid, g in sorted(known.items()):
+                row = await self._listing(gid, g)
+                if (states and row[1].lower() not in states) or (types and row[2] not in types):
+                    continue
+                rows.append(build(listed_cls, group_id=gid, protocol_type=row[0], group_state=row[1],
+                                  group_type=row[2]))
+        except Exception as exc:
+            log.warning("list_groups: %r", exc)
+            return build(resp_cls, throttle_time=ZERO_MS, error_code=_store_error(exc), groups=())
         return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, groups=tuple(rows))
+
+    async def _listing(self, gid: str, g: Group | None) -> tuple[str, str, str]:
+        """(protocol type, state, group type) of a group as ListGroups shows it. An Empty group keeps
+        the protocol type its members used (recorded in the store), as Kafka's does."""
+        if g is not None and g.members:
+            return g.protocol_type or "", g.state, "classic"
+        cg = self.consumer_groups.get(gid)
+        if cg is not None and cg.members:
+            return "consumer", cg.state, "consumer"
+        kind = await self.stored_kind(gid) or GroupKind("classic", g.protocol_type or "" if g else "")
+        return kind.protocol_type, EMPTY, kind.group_type
 
     async def describe_groups(self, req, resp_cls):
         group_cls = nested(resp_cls, "DescribedGroup")
@@ -963,11 +1089,17 @@ class GroupCoordinator:
             state, ptype, pname, members = DEAD, "", "", []
             if err is None:
                 g = self.groups.get(gid)
-                if g is not None and g.state != DEAD:
+                if g is not None and g.state != DEAD and g.members:
                     state, ptype, pname, members = g.describe()
                 else:
                     try:
-                        if await self.offsets.fetch_group(gid):
+                        kind = await self.stored_kind(gid)
+                        cg = self.consumer_groups.get(gid)
+                        if cg is not None and cg.members:
+                            pass  # a consumer (KIP-848) group: Dead to DescribeGroups v0-5, as in Kafka
+                        elif kind is not None and kind.group_type == "classic":
+                            state, ptype = EMPTY, kind.protocol_type
+                        elif kind is None and await self.offsets.fetch_group(gid):
                             state = EMPTY
                     except Exception as exc:
                         err = _store_error(exc)
@@ -986,11 +1118,16 @@ class GroupCoordinator:
             err = await self._group_error(gid)
             if err is None:
                 g = self.groups.get(gid)
-                if g is not None and g.state not in (EMPTY, DEAD):
+                cg = self.consumer_groups.get(gid)
+                if (g is not None and g.state not in (EMPTY, DEAD)) or (cg is not None and cg.members):
                     err = ErrorCode.non_empty_group
                 else:
                     try:
                         deleted = await self.offsets.delete_group(gid)
+                        self._kinds.pop(gid, None)
+                        if cg is not None:
+                            cg.delete()
+                            del self.consumer_groups[gid]
                         if deleted == 0 and (g is None or g.state == DEAD):
                             err = ErrorCode.group_id_not_found
                         elif g is not None:
@@ -1002,6 +1139,95 @@ class GroupCoordinator:
                         err = _store_error(exc)
             out.append(build(result_cls, group_id=gid, error_code=err or ErrorCode.none))
         return build(resp_cls, throttle_time=ZERO_MS, results=tuple(out))
+
+
+    # ------------------------------------------------------------ OffsetDelete (KIP-496)
+    async def offset_delete(self, req, resp_cls):
+        """Delete a group's committed offsets for some partitions, as Kafka's coordinator does: the
+        whole request fails with GROUP_ID_NOT_FOUND for a group with neither members nor offsets
+        and NON_EMPTY_GROUP for an active group of another protocol type than ``consumer``; for an
+        active consumer group, the partitions of topics its members subscribe to get
+        GROUP_SUBSCRIBED_TO_TOPIC and the others are deleted. Unknown topics or partitions get
+        UNKNOWN_TOPIC_OR_PARTITION; a partition without an offset is NONE (nothing to delete)."""
+        topic_cls = nested(resp_cls, "OffsetDeleteResponseTopic")
+        part_cls = nested(resp_cls, "OffsetDeleteResponsePartition")
+
+        def failed(code: ErrorCode):
+            return build(resp_cls, error_code=code, throttle_time=ZERO_MS, topics=())
+
+        gid = req.group_id
+        err = await self._group_error(gid)
+        if err is not None:
+            return failed(err)
+        try:
+            subscribed = self.subscribed_topics(gid)  # None: no active members
+            if subscribed is None and not await self.offsets.fetch_group(gid) \
+                    and await self.stored_kind(gid) is None:
+                return failed(ErrorCode.group_id_not_found)
+        except Exception as exc:
+            return failed(_store_error(exc))
+        if subscribed is False:
+            return failed(ErrorCode.non_empty_group)
+        codes: dict[tuple[str, int], ErrorCode] = {}
+        todo: list[tuple[str, int]] = []
+        metas: dict[str, TopicMeta | None] = {}
+        for t in req.topics:
+            if t.name not in metas:
+                metas[t.name] = await self.broker.topic(t.name)
+            for p in t.partitions:
+                key = (t.name, p.partition_index)
+                meta = metas[t.name]
+                if meta is None or not 0 <= p.partition_index < meta.partitions:
+                    codes[key] = ErrorCode.unknown_topic_or_partition
+                elif subscribed and t.name in subscribed:
+                    codes[key] = ErrorCode.group_subscribed_to_topic
+                else:
+                    todo.append(key)
+        if todo:
+            try:
+                await self.offsets.delete_offsets(gid, todo)
+            except Exception as exc:
+                log.warning("group=%s: offset delete failed: %r", gid, exc)
+                return failed(_store_error(exc))
+            codes.update(dict.fromkeys(todo, ErrorCode.none))
+            log.info("group=%s: deleted the committed offsets of %d partitions", gid, len(todo))
+        return build(resp_cls, error_code=ErrorCode.none, throttle_time=ZERO_MS, topics=tuple(
+            topic_cls(name=t.name, partitions=tuple(
+                part_cls(partition_index=p.partition_index, error_code=codes[(t.name, p.partition_index)])
+                for p in t.partitions)) for t in req.topics))
+
+    def subscribed_topics(self, group_id: str) -> set[str] | bool | None:
+        """The topics the active members of a group subscribe to; None when it has no members;
+        False for an active classic group whose protocol type is not ``consumer`` (Kafka cannot
+        tell its topics)."""
+        cg = self.consumer_groups.get(group_id)
+        if cg is not None and cg.members:
+            return cg.subscribed_topics()
+        g = self.groups.get(group_id)
+        if g is None or not g.members or g.state == DEAD:
+            return None
+        if g.protocol_type != "consumer":
+            return False
+        out: set[str] = set()
+        for m in g.members.values():
+            out |= subscription_topics(m.metadata_for(g.protocol_name) if g.protocol_name
+                                       else (m.protocols[0][1] if m.protocols else b""))
+        return out
+
+
+def subscription_topics(metadata: bytes) -> set[str]:
+    """The topic names of a ConsumerProtocolSubscription (any version: int16 version, then an array
+    of int16-length strings); an unreadable one names none."""
+    try:
+        (n,) = struct.unpack_from(">i", metadata, 2)
+        pos, out = 6, set()
+        for _ in range(max(0, n)):
+            (size,) = struct.unpack_from(">h", metadata, pos)
+            out.add(metadata[pos + 2:pos + 2 + size].decode())
+            pos += 2 + size
+        return out
+    except (struct.error, UnicodeDecodeError):
+        return set()
 
 
 def _store_error(exc: BaseException) -> ErrorCode:

@@ -90,6 +90,7 @@ class KafkaServer:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         peer = writer.get_extra_info("peername")
+        codec.set_client_host(peer)  # inherited by this connection's request tasks (group members' host)
         if len(self._conns) >= self.config.max_connections:
             log.warning("refusing connection from %s: %d connections open", peer, len(self._conns))
             writer.close()

@@ -11,12 +11,15 @@ import pytest
 
 from compat_kafka.broker import BrokerConfig
 from compat_kafka.cli import serve
+from compat_kafka.consumer_groups import ConsumerGroupConfig
 from compat_kafka.groups import GroupConfig
 from compat_kafka.server import ServerConfig
 from streams.tools.localcluster import LocalCluster, free_port
 
-# Consumer groups in tests: a short initial rebalance delay (Kafka's default is 3 s, ours 300 ms).
-FAST_GROUPS = GroupConfig(initial_rebalance_delay_ms=100)
+# Consumer groups in tests: a short initial rebalance delay (Kafka's default is 3 s, ours 300 ms);
+# KIP-848 groups: heartbeats every 200 ms, members removed after 3 s without one (Kafka: 5 s, 45 s).
+FAST_GROUPS = GroupConfig(initial_rebalance_delay_ms=100,
+                          consumer=ConsumerGroupConfig(session_timeout_ms=3000, heartbeat_interval_ms=200))
 
 
 class ShimThread:

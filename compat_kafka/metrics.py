@@ -1,0 +1,97 @@
+"""Prometheus metrics of one Kafka listener: the consumer groups it coordinates and their lag.
+
+How this works. ``ListenerMetrics`` owns its own ``CollectorRegistry`` (several listeners can live
+in one test process), like ``bookie/metrics.py``, and serves it over HTTP on loopback by default
+(``scroll kafka --metrics-port``). Group lag is computed at scrape time, in the HTTP server's
+thread, by ``group_admin.KafkaAdmin`` over the Kafka protocol against this listener: ListGroups of
+this listener gives exactly the groups it coordinates (so several listeners never report a group
+twice), and each group's describe gives committed offsets, log-end offsets (asked of each
+partition's leader, wherever it runs) and members. A scrape therefore costs a few requests per
+group; ``max_groups`` bounds it. A failure is counted (``scroll_kafka_group_scrape_errors``)
+and the groups it hid are left out of that scrape rather than failing the endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kio.schema.list_groups.v5 import ListGroupsRequest
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from .group_admin import AdminError, GroupView, KafkaAdmin
+
+log = logging.getLogger(__name__)
+
+
+class GroupLagCollector:
+    def __init__(self, bootstrap: str, errors: Counter, max_groups: int = 500, timeout_s: float = 10.0):
+        self.bootstrap = bootstrap
+        self.errors = errors
+        self.max_groups = max_groups
+        self.timeout_s = timeout_s
+
+    def describe(self):
+        return []  # no samples at registration time (the listener may not be serving yet)
+
+    def collect(self):
+        views = asyncio.run(self._views())
+        lag = GaugeMetricFamily("scroll_kafka_group_lag", "Log-end offset minus committed offset, per partition",
+                                labels=["group", "topic", "partition"])
+        committed = GaugeMetricFamily("scroll_kafka_group_committed_offset", "Committed offset, per partition",
+                                      labels=["group", "topic", "partition"])
+        log_end = GaugeMetricFamily("scroll_kafka_group_log_end_offset", "Log-end offset of the group's partitions",
+                                    labels=["group", "topic", "partition"])
+        total = GaugeMetricFamily("scroll_kafka_group_lag_sum", "Lag summed over the group's partitions",
+                                  labels=["group"])
+        members = GaugeMetricFamily("scroll_kafka_group_members", "Active members of the group",
+                                    labels=["group", "type", "state"])
+        for v in views:
+            members.add_metric([v.group, v.group_type, v.state], len(v.members))
+            total.add_metric([v.group], v.lag)
+            for r in v.partitions:
+                labels = [v.group, r.topic, str(r.partition)]
+                if r.log_end is not None:
+                    log_end.add_metric(labels, r.log_end)
+                if r.committed is not None:
+                    committed.add_metric(labels, r.committed)
+                if r.lag is not None:
+                    lag.add_metric(labels, r.lag)
+        return [lag, committed, log_end, total, members]
+
+    async def _views(self) -> list[GroupView]:
+        out = []
+        async with KafkaAdmin(self.bootstrap, timeout_s=self.timeout_s, client_id="scroll-metrics") as admin:
+            try:  # this listener's ListGroups: the groups it coordinates
+                r = await admin.any_call(ListGroupsRequest(states_filter=(), types_filter=()))
+                groups = sorted(g.group_id for g in r.groups)[:self.max_groups]
+            except AdminError as exc:
+                self.errors.inc()
+                log.warning("metrics: listing groups failed: %s", exc)
+                return []
+            for g in groups:
+                try:
+                    out.append(await admin.describe(g))
+                except AdminError as exc:
+                    if "does not exist" not in str(exc):
+                        self.errors.inc()
+                        log.warning("metrics: group %s: %s", g, exc)
+        return out
+
+
+class ListenerMetrics:
+    def __init__(self, bootstrap: str, max_groups: int = 500):
+        r = self.registry = CollectorRegistry()
+        self.scrape_errors = Counter("scroll_kafka_group_scrape_errors", "Group lag scrapes that failed", registry=r)
+        r.register(GroupLagCollector(bootstrap, self.scrape_errors, max_groups))
+        self._server = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
