@@ -57,6 +57,11 @@ class StandaloneConfig:
         return [self.metrics_port + 1 + i for i in range(self.bookies)]
 
     @property
+    def kafka_metrics_port(self) -> int:
+        """The Kafka listener's metrics (consumer group lag): the port after the bookies'."""
+        return self.metrics_port + 1 + self.bookies
+
+    @property
     def metadata_url(self) -> str:
         return f"etcd://127.0.0.1:{self.etcd_port}"
 
@@ -65,6 +70,7 @@ class StandaloneConfig:
                (self.kafka_port, "--kafka-port"), (self.metrics_port, "--metrics-port")]
         out += [(p, "--bookie-port") for p in self.bookie_ports]
         out += [(p, "--metrics-port (bookie metrics use the next ports)") for p in self.bookie_metrics_ports]
+        out.append((self.kafka_metrics_port, "--metrics-port (the Kafka listener's metrics follow the bookies')"))
         return out
 
 
@@ -111,7 +117,8 @@ class Standalone:
     def _kafka_proc(self) -> Proc:
         c = self.config
         args = [sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", c.metadata_url, "--host", "127.0.0.1",
-                "--port", str(c.kafka_port), "--default-partitions", str(c.default_partitions), *c.extra_kafka_args]
+                "--port", str(c.kafka_port), "--default-partitions", str(c.default_partitions),
+                "--metrics-port", str(c.kafka_metrics_port), *c.extra_kafka_args]
         return Proc("kafka", args, c.kafka_port, self.dir / "kafka" / "kafka.log")
 
     def _start_kafka(self, timeout_s: float) -> None:
@@ -215,7 +222,8 @@ class Standalone:
             f"  metadata (etcd)  {c.metadata_url}",
             f"  bookies          {bookies}",
             f"  kafka            127.0.0.1:{c.kafka_port}",
-            f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics})",
+            f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics}; Kafka "
+            f"consumer group lag: http://127.0.0.1:{c.kafka_metrics_port}/metrics)",
             f"  retention        every {c.retention_interval_s:g} s  (scroll retention run --dry-run to preview)",
             f"  logs             {self.dir}/*/*.log",
             "try it:",
@@ -330,7 +338,7 @@ def run(config: StandaloneConfig) -> None:
 @click.option("--bookie-port", "bookie_base_port", default=3181, show_default=True, type=click.IntRange(1, 65535),
               help="First bookie's port; the others take the next ones.")
 @click.option("--metrics-port", default=9404, show_default=True, type=click.IntRange(1, 65535),
-              help="Metrics endpoint; the bookies' endpoints take the next ports.")
+              help="Metrics endpoint; the bookies' endpoints, then the Kafka listener's, take the next ports.")
 @click.option("--bookies", default=3, show_default=True, type=click.IntRange(1, 9))
 @click.option("--retention-interval", "retention_interval_s", default=300.0, show_default=True, type=float,
               help="Seconds between retention runs.")
