@@ -52,7 +52,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streams.batches import StoredBatch, records_of, stored_batch
+from streams.batches import ATTR_CONTROL, ATTR_TRANSACTIONAL, StoredBatch, records_of, stored_batch
 from streams.consumer import Consumer
 from streams.driver import ProducerOptions
 from streams.errors import DataRemovedError, PayloadTooLarge, StaleTermError, WriterWithdrawn
@@ -61,8 +61,9 @@ from streams.producer import Producer
 from streams.topics import partition_stream
 
 from .batches import Batch, increment_sequence
-from .errors import OffsetOutOfRange, OutOfOrderSequenceNumber
+from .errors import InvalidProducerEpoch, OffsetOutOfRange, OutOfOrderSequenceNumber
 from .producer_ids import BatchRecord, ProducerStateTable, StateSnapshot, in_sequence, state_key
+from .transactions import PartitionTxns, TransactionCoordinatorFenced, control_batch, parse_marker
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class PartitionLog:
         self._cursors: dict[int, int] = {}  # end offset of a batch served -> the entry after it
         self.live_state = ProducerStateTable(config.max_producers)  # includes batches in flight
         self.acked_state = ProducerStateTable(config.max_producers)  # exactly the batches below high_watermark
+        self.txns = PartitionTxns()  # transactions of the acked batches (ongoing, aborted ranges): the LSO
+        self._txns_built = writable  # read-only: built on the first read_committed fetch (``ensure_txns``)
+        self._marker_epochs: dict[int, int] = {}  # producer id -> coordinator epoch of its last marker queued
         self._snapshot_key = state_key(topic, partition)
         self._snapshot_version = 0
         self._snapshot_offset = -1
@@ -174,8 +178,10 @@ class PartitionLog:
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("stream=%s: ignoring an unreadable producer-state snapshot: %r", self.stream, exc)
         state = ProducerStateTable(self.config.max_producers)
+        txns = PartitionTxns()
         if snap is not None and snap.stream_id == self.stream_id and snap.offset <= self.high_watermark:
             state = ProducerStateTable.from_json(snap.producers, self.config.max_producers)
+            txns = PartitionTxns.from_json(snap.txns)
             skip_below = self._snapshot_offset = snap.offset
             if snap.offset >= self.high_watermark:
                 start = lac + 1
@@ -194,18 +200,48 @@ class PartitionLog:
                 if b is None or b.end_offset <= skip_below:
                     continue
                 pid, epoch, first = b.producer()
-                if pid >= 0:
+                attrs = b.attributes
+                if attrs & ATTR_CONTROL:  # a transaction marker
+                    commit, coord_epoch = parse_marker(b.batch)
+                    txns.on_marker(pid, b.base_offset, commit, coord_epoch)
+                    state.fence(pid, epoch)
+                elif pid >= 0:
                     last = increment_sequence(first, b.offset_count - 1)
                     state.record(pid, epoch, BatchRecord(first, last, b.base_offset, b.offset_count))
+                    if attrs & ATTR_TRANSACTIONAL:
+                        txns.on_batch(pid, b.base_offset)
+        txns.trim(self.log_start)
         self.acked_state = state
         self.live_state = state.copy()
+        self.txns = txns
+        self._marker_epochs = dict(txns.coordinator_epochs)
+        self._txns_built = True
         return max(0, lac - start + 1)
+
+    async def ensure_txns(self) -> None:
+        """Read-only: build the transaction index once (the snapshot and a scan up to the LAC seen),
+        for read_committed fetches. Transactional data and markers are only written through a
+        writable partition, which builds its own on open."""
+        if self._txns_built:
+            return
+        async with self._lock:
+            if not self._txns_built:
+                states = (self.live_state, self.acked_state)
+                await self._rebuild_producer_state(self._last_entry)
+                self.live_state, self.acked_state = states  # read-only: only the transactions are needed
+
+    @property
+    def last_stable_offset(self) -> int:
+        return self.txns.lso(self.high_watermark)
 
     async def write_snapshot(self) -> bool:
         """Write the acked producer state (compare-and-set); False if a later term's snapshot is there."""
         if self._snapshots_stopped:
             return False
-        snap = StateSnapshot(self.stream_id, self.high_watermark, self.producer.term, self.acked_state.to_json())
+        self.txns.trim(self.log_start)
+        snap = StateSnapshot(self.stream_id, self.high_watermark, self.producer.term, self.acked_state.to_json(),
+                             self.txns.to_json() if (self.txns.ongoing or self.txns.aborted
+                                                     or self.txns.coordinator_epochs) else None)
         data = snap.encode()
         for _ in range(3):
             v = await self.store.cas(self._snapshot_key, data, self._snapshot_version)
@@ -312,9 +348,52 @@ class PartitionLog:
             if batch.producer_id >= 0:
                 self.acked_state.record(batch.producer_id, batch.producer_epoch, BatchRecord(
                     batch.base_sequence, batch.last_sequence, base, count))
+                if batch.transactional:
+                    self.txns.on_batch(batch.producer_id, base)
             self.on_append()
 
         return done
+
+    async def append_marker(self, producer_id: int, epoch: int, commit: bool,
+                            coordinator_epoch: int) -> asyncio.Future:
+        """Queue a transaction marker (a control batch, one offset) for ``producer_id``; returns
+        its acknowledgement future. Refused (TRANSACTION_COORDINATOR_FENCED) from a coordinator
+        epoch older than one already seen for that producer, and (INVALID_PRODUCER_EPOCH) at an
+        epoch older than the producer's here. From then on an older epoch's batches are fenced."""
+        async with self._lock:
+            self._check_usable()
+            if not self.writable:
+                raise WriterWithdrawn(f"{self.stream}: opened read-only")
+            if coordinator_epoch < self._marker_epochs.get(producer_id, -1):
+                raise TransactionCoordinatorFenced(
+                    f"{self.topic} partition {self.partition}: marker for producer {producer_id} from coordinator "
+                    f"epoch {coordinator_epoch}, older than {self._marker_epochs[producer_id]}")
+            entry = self.live_state.producers.get(producer_id)
+            if entry is not None and epoch < entry.epoch:
+                raise InvalidProducerEpoch(f"{self.topic} partition {self.partition}: marker for producer "
+                                           f"{producer_id} at epoch {epoch}, older than {entry.epoch}")
+            p = self.producer
+            try:
+                if not p.has_space():
+                    await p.wait_for_space()
+                base, fut = p.append_batch(control_batch(producer_id, epoch, commit, coordinator_epoch))
+            except Exception as exc:
+                self._fail(exc)
+                raise
+            self._marker_epochs[producer_id] = coordinator_epoch
+            self.live_state.fence(producer_id, epoch)
+
+            def done(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    self._fail(f.exception() if not f.cancelled() else asyncio.CancelledError())
+                    return
+                self.high_watermark = max(self.high_watermark, base + 1)
+                self.acked_state.fence(producer_id, epoch)
+                self.txns.on_marker(producer_id, base, commit, coordinator_epoch)
+                self.on_append()
+
+            fut.add_done_callback(done)
+            return fut
 
     def _fail(self, exc: BaseException) -> None:
         if self.failure is None:
@@ -365,15 +444,16 @@ class PartitionLog:
             self._fail(exc)
             raise exc
 
-    async def read(self, offset: int, max_bytes: int, refresh: bool = True) -> bytes:
+    async def read(self, offset: int, max_bytes: int, refresh: bool = True, committed: bool = False) -> bytes:
         """The stored record batches from the one holding ``offset`` up to the high watermark, at
         most ``max_bytes`` except that the first batch is always whole (as Kafka does).
-        ``refresh``: at the high watermark, ``caught_up`` first (one LAC read)."""
+        ``refresh``: at the high watermark, ``caught_up`` first (one LAC read). ``committed``
+        (read_committed): only up to the last stable offset."""
         if offset >= self.high_watermark and refresh:
             await self.caught_up()
         self.check_offset(offset)
-        hw = self.high_watermark
-        if offset == hw:
+        hw = self.last_stable_offset if committed else self.high_watermark
+        if offset >= hw:
             return b""
         # every entry up to ``last`` is acknowledged; batches from hw on are not served yet
         last = self.producer.lac if self.writable else self._last_entry

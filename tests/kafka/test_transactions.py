@@ -1,0 +1,322 @@
+"""Kafka transactions (KIP-98) with confluent-kafka's transactional producer and read_committed /
+read_uncommitted consumers against real listeners over a real cluster: commit, abort, the last
+stable offset holding a consumer back, fencing of a crashed producer's zombie, transaction
+timeouts, offsets sent to a transaction; and the coordinator state machine and the partition's
+transaction index as units."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition  # noqa: E402
+from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
+
+from compat_kafka.transactions import (
+    COMPLETE_ABORT,
+    COMPLETE_COMMIT,
+    EMPTY,
+    MAX_EPOCH,
+    ONGOING,
+    PREPARE_ABORT,
+    PREPARE_COMMIT,
+    ConcurrentTransactions,
+    InvalidProducerIdMapping,
+    InvalidTransactionTimeout,
+    InvalidTxnState,
+    PartitionTxns,
+    ProducerFenced,
+    TxnMeta,
+    add_to_txn,
+    complete_txn,
+    control_batch,
+    end_txn,
+    expire_txn,
+    init_txn,
+    parse_marker,
+)
+
+pytestmark = pytest.mark.process
+
+
+# ---------------------------------------------------------------- helpers
+def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])[topic].result(timeout=20)
+
+
+def txn_producer(bootstrap: str, txn_id: str, **extra) -> Producer:
+    p = Producer({"bootstrap.servers": bootstrap, "transactional.id": txn_id, "linger.ms": 5, **extra})
+    p.init_transactions(30)
+    return p
+
+
+def consumer(bootstrap: str, isolation: str, **extra) -> Consumer:
+    return Consumer({"bootstrap.servers": bootstrap, "group.id": f"check-{isolation}-{time.monotonic_ns()}",
+                     "enable.auto.commit": False, "isolation.level": isolation, "fetch.wait.max.ms": 50,
+                     "auto.offset.reset": "earliest", **extra})
+
+
+def read_until(c: Consumer, want, timeout_s: float = 30.0) -> list:
+    """Poll until ``want(records)`` holds; the records as (partition, offset, value)."""
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while not want(got):
+        assert time.monotonic() < deadline, f"timed out with {len(got)} records: {got[-5:]}"
+        m = c.poll(0.2)
+        if m is None:
+            continue
+        assert m.error() is None, m.error()
+        got.append((m.partition(), m.offset(), m.value()))
+    return got
+
+
+def read_all(bootstrap: str, topic: str, isolation: str, partitions: int = 1) -> list:
+    """Every record a consumer at ``isolation`` returns up to the end its ListOffsets reports
+    (the LSO for read_committed), in order."""
+    c = consumer(bootstrap, isolation)
+    try:
+        ends = {}
+        for p in range(partitions):
+            _, ends[p] = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
+        c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        got = []
+        deadline = time.monotonic() + 30
+        while any(c.position([TopicPartition(topic, p)])[0].offset < ends[p] for p in ends if ends[p] > 0):
+            assert time.monotonic() < deadline, f"timed out: {got[-5:]}"
+            m = c.poll(0.2)
+            if m is not None and m.error() is None:
+                got.append((m.partition(), m.offset(), m.value()))
+        return got
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------- clients
+def test_commit_and_abort_as_read_committed_and_read_uncommitted_consumers_see_them(shim, topic):
+    create_topic(shim.bootstrap, topic)
+    p = txn_producer(shim.bootstrap, f"{topic}-txn")
+    p.begin_transaction()
+    for i in range(5):
+        p.produce(topic, b"c%d" % i)
+    p.commit_transaction(30)
+    p.begin_transaction()
+    for i in range(3):
+        p.produce(topic, b"a%d" % i)
+    p.flush(30)
+    p.abort_transaction(30)
+    p.begin_transaction()
+    p.produce(topic, b"c5")
+    p.commit_transaction(30)
+
+    committed = read_all(shim.bootstrap, topic, "read_committed")
+    assert [v for _, _, v in committed] == [b"c0", b"c1", b"c2", b"c3", b"c4", b"c5"]
+    uncommitted = read_all(shim.bootstrap, topic, "read_uncommitted")
+    assert [v for _, _, v in uncommitted] == [b"c0", b"c1", b"c2", b"c3", b"c4", b"a0", b"a1", b"a2", b"c5"]
+    # offsets are dense; each marker takes one offset and is never returned: 5 + marker, 3 + marker, 1 + marker
+    assert [o for _, o, _ in uncommitted] == [0, 1, 2, 3, 4, 6, 7, 8, 10]
+    c = consumer(shim.bootstrap, "read_committed")
+    assert c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10, cached=False) == (0, 12)
+    c.close()
+
+
+def test_a_read_committed_consumer_waits_for_the_commit(shim, topic):
+    create_topic(shim.bootstrap, topic)
+    plain = Producer({"bootstrap.servers": shim.bootstrap, "enable.idempotence": True})
+    plain.produce(topic, b"before")
+    plain.flush(30)
+    p = txn_producer(shim.bootstrap, f"{topic}-txn")
+    p.begin_transaction()
+    p.produce(topic, b"t0")
+    p.produce(topic, b"t1")
+    p.flush(30)  # stored (acknowledged), not committed
+    plain.produce(topic, b"after")  # a non-transactional record after the open transaction
+    plain.flush(30)
+
+    committed = consumer(shim.bootstrap, "read_committed")
+    uncommitted = consumer(shim.bootstrap, "read_uncommitted")
+    committed.assign([TopicPartition(topic, 0, 0)])
+    uncommitted.assign([TopicPartition(topic, 0, 0)])
+    seen = read_until(uncommitted, lambda got: len(got) == 4)
+    assert [v for _, _, v in seen] == [b"before", b"t0", b"t1", b"after"]
+    assert [v for _, _, v in read_until(committed, lambda got: len(got) == 1)] == [b"before"]
+    # the LSO holds the committed consumer at the transaction's first offset, "after" included
+    lo, hi = committed.get_watermark_offsets(TopicPartition(topic, 0), timeout=10, cached=False)
+    assert (lo, hi) == (0, 1)
+    assert committed.poll(0.5) is None
+
+    p.commit_transaction(30)
+    rest = read_until(committed, lambda got: len(got) == 3)
+    assert [v for _, _, v in rest] == [b"t0", b"t1", b"after"]
+    committed.close()
+    uncommitted.close()
+
+
+def test_a_new_producer_fences_the_old_one_and_aborts_its_transaction(shim, topic):
+    create_topic(shim.bootstrap, topic)
+    txn_id = f"{topic}-txn"
+    zombie = txn_producer(shim.bootstrap, txn_id)
+    zombie.begin_transaction()
+    zombie.produce(topic, b"zombie-0")
+    zombie.flush(30)  # stored, in an open transaction: its process "crashes" here
+
+    fresh = txn_producer(shim.bootstrap, txn_id)  # bumps the epoch; the open transaction is aborted
+    assert read_all(shim.bootstrap, topic, "read_committed") == []
+    fresh.begin_transaction()
+    fresh.produce(topic, b"fresh-0")
+    fresh.commit_transaction(30)
+
+    # the zombie's next produce and its commit fail with a fencing error
+    zombie.produce(topic, b"zombie-1")
+    with pytest.raises(KafkaException) as ei:
+        zombie.commit_transaction(30)
+    err = ei.value.args[0]
+    assert err.fatal() and err.name() == "_FENCED", err  # librdkafka: INVALID_PRODUCER_EPOCH on produce
+    assert [v for _, _, v in read_all(shim.bootstrap, topic, "read_committed")] == [b"fresh-0"]
+    assert [v for _, _, v in read_all(shim.bootstrap, topic, "read_uncommitted")] == [b"zombie-0", b"fresh-0"]
+
+
+def test_a_transaction_past_its_timeout_is_aborted(shim, topic):
+    create_topic(shim.bootstrap, topic)
+    p = txn_producer(shim.bootstrap, f"{topic}-txn", **{"transaction.timeout.ms": 1500})
+    p.begin_transaction()
+    p.produce(topic, b"late")
+    p.flush(30)
+    c = consumer(shim.bootstrap, "read_committed")
+    tp = TopicPartition(topic, 0)
+    deadline = time.monotonic() + 20
+    while c.get_watermark_offsets(tp, timeout=10, cached=False)[1] != 2:  # the abort marker moves the LSO
+        assert time.monotonic() < deadline, "the transaction was not aborted"
+        time.sleep(0.1)  # polling the broker's state, not waiting a fixed time
+    c.close()
+    with pytest.raises(KafkaException) as ei:
+        p.commit_transaction(30)
+    assert ei.value.args[0].name() == "_FENCED"  # the timeout bumped the epoch
+    assert read_all(shim.bootstrap, topic, "read_committed") == []
+
+
+def test_offsets_sent_to_a_transaction_are_committed_with_it(shim, topic):
+    create_topic(shim.bootstrap, topic)
+    group = f"{topic}-group"
+    src = Producer({"bootstrap.servers": shim.bootstrap})
+    for i in range(4):
+        src.produce(topic, b"in%d" % i)
+    src.flush(30)
+    c = Consumer({"bootstrap.servers": shim.bootstrap, "group.id": group, "enable.auto.commit": False,
+                  "auto.offset.reset": "earliest"})
+    c.assign([TopicPartition(topic, 0, 0)])
+    read_until(c, lambda got: len(got) == 4)
+    p = txn_producer(shim.bootstrap, f"{topic}-txn")
+    tp = [TopicPartition(topic, 0, 2)]
+
+    p.begin_transaction()
+    p.send_offsets_to_transaction(tp, c.consumer_group_metadata(), 30)
+    p.abort_transaction(30)
+    assert c.committed([TopicPartition(topic, 0)], timeout=10)[0].offset < 0  # nothing committed
+
+    p.begin_transaction()
+    p.send_offsets_to_transaction(tp, c.consumer_group_metadata(), 30)
+    assert c.committed([TopicPartition(topic, 0)], timeout=10)[0].offset < 0  # pending until the commit
+    p.commit_transaction(30)
+    assert c.committed([TopicPartition(topic, 0)], timeout=10)[0].offset == 2
+    c.close()
+
+
+# ---------------------------------------------------------------- the coordinator state machine
+def test_state_machine_commit_abort_and_retries():
+    m = init_txn(None, "t", 60_000, 900_000, 0, new_producer_id=7)
+    assert (m.producer_id, m.epoch, m.state) == (7, 0, EMPTY)
+    m = add_to_txn(m, "t", 7, 0, 10, partitions=[("a", 0)])
+    assert (m.state, m.start_ms, m.partitions) == (ONGOING, 10, {("a", 0)})
+    m = add_to_txn(m, "t", 7, 0, 20, groups=["g"], partitions=[("a", 1)])
+    assert m.partitions == {("a", 0), ("a", 1)} and m.groups == {"g"} and m.start_ms == 10
+    p = end_txn(m, "t", 7, 0, True, 30)
+    assert p.state == PREPARE_COMMIT
+    assert end_txn(p, "t", 7, 0, True, 31) == p  # a retry while the markers are written
+    with pytest.raises(ConcurrentTransactions):
+        add_to_txn(p, "t", 7, 0, 32, partitions=[("a", 2)])
+    with pytest.raises(InvalidTxnState):
+        end_txn(p, "t", 7, 0, False, 33)  # abort a committing transaction
+    c = complete_txn(p, 40)
+    assert c.state == COMPLETE_COMMIT and end_txn(c, "t", 7, 0, True, 41) == c  # a retry after it completed
+    with pytest.raises(InvalidTxnState):
+        end_txn(c, "t", 7, 0, False, 42)
+    n = add_to_txn(c, "t", 7, 0, 50, partitions=[("b", 0)])  # the next transaction starts afresh
+    assert (n.state, n.partitions, n.groups, n.start_ms) == (ONGOING, {("b", 0)}, frozenset(), 50)
+    a = complete_txn(end_txn(n, "t", 7, 0, False, 60), 61)
+    assert a.state == COMPLETE_ABORT
+    with pytest.raises(InvalidTxnState):
+        end_txn(init_txn(a, "t", 60_000, 900_000, 70), "t", 7, 1, True, 71)  # nothing to commit in Empty
+    assert TxnMeta.decode(n.encode()) == n
+
+
+def test_state_machine_fencing_timeouts_and_bad_input():
+    m = add_to_txn(init_txn(None, "t", 1000, 900_000, 0, new_producer_id=3), "t", 3, 0, 5, partitions=[("a", 0)])
+    with pytest.raises(ProducerFenced):
+        add_to_txn(m, "t", 3, 1, 6)  # not the current epoch
+    with pytest.raises(InvalidProducerIdMapping):
+        end_txn(m, "t", 4, 0, True, 6)  # not the id's producer
+    with pytest.raises(InvalidProducerIdMapping):
+        end_txn(None, "t", 3, 0, True, 6)  # unknown transactional id
+    with pytest.raises(InvalidTransactionTimeout):
+        init_txn(m, "t", 0, 900_000, 6)
+    with pytest.raises(InvalidTransactionTimeout):
+        init_txn(m, "t", 900_001, 900_000, 6)
+    # a new producer while a transaction is ongoing: the epoch is bumped and the transaction aborted
+    f = init_txn(m, "t", 1000, 900_000, 7)
+    assert (f.producer_id, f.epoch, f.state, f.partitions) == (3, 1, PREPARE_ABORT, {("a", 0)})
+    with pytest.raises(ConcurrentTransactions):
+        init_txn(f, "t", 1000, 900_000, 8)  # until its markers are written
+    with pytest.raises(ProducerFenced):
+        end_txn(f, "t", 3, 0, True, 8)  # the zombie cannot commit
+    done = complete_txn(f, 9)
+    assert (done.state, done.epoch) == (COMPLETE_ABORT, 1)
+    with pytest.raises(ProducerFenced):
+        init_txn(done, "t", 1000, 900_000, 10, producer_id=3, epoch=5)  # KIP-360 bump by a stranger
+    # timeouts: not before, then aborted at a bumped epoch
+    o = add_to_txn(done, "t", 3, 1, 100, partitions=[("a", 0)])
+    assert expire_txn(o, 1100) is None
+    x = expire_txn(o, 1101)
+    assert (x.state, x.epoch) == (PREPARE_ABORT, 2)
+    # epoch exhaustion: a new producer id at epoch 0
+    old = TxnMeta("t", 3, MAX_EPOCH - 2, COMPLETE_COMMIT)
+    n = init_txn(old, "t", 1000, 900_000, 0, new_producer_id=11)
+    assert (n.producer_id, n.epoch) == (11, 0)
+
+
+# ---------------------------------------------------------------- the partition's transaction index
+def test_partition_index_lso_and_aborted_ranges():
+    t = PartitionTxns()
+    assert t.lso(10) == 10
+    t.on_batch(1, 10)
+    t.on_batch(2, 12)
+    t.on_batch(1, 14)  # a later batch of the same transaction
+    assert t.lso(20) == 10 and t.lso(5) == 5
+    t.on_marker(1, 20, False, 0)  # producer 1 aborts
+    assert t.lso(21) == 12 and t.aborted == [(1, 10, 20)]
+    t.on_marker(2, 21, True, 0)
+    assert t.lso(22) == 22
+    assert t.aborted_between(0, 22) == [(1, 10)]
+    assert t.aborted_between(21, 30) == []  # ended before the fetch
+    assert t.aborted_between(0, 10) == []  # starts at the end of the data
+    t.on_marker(3, 22, False, 4)  # an abort with nothing written: no range
+    assert len(t.aborted) == 1 and t.coordinator_epochs[3] == 4
+    assert PartitionTxns.from_json(t.to_json()).to_json() == t.to_json()
+    t.trim(21)
+    assert t.aborted == []
+
+
+def test_control_batches_are_transactional_control_batches_aiokafka_reads():
+    from aiokafka.record.default_records import DefaultRecordBatch
+
+    from compat_kafka.batches import split_batches
+    from compat_kafka.errors import InvalidRecord
+
+    raw = control_batch(42, 3, True, 7)
+    b = DefaultRecordBatch(bytes(raw))
+    assert b.validate_crc() and b.is_control_batch and b.is_transactional
+    assert (b.producer_id, b.producer_epoch) == (42, 3)
+    assert parse_marker(raw) == (True, 7)
+    assert parse_marker(control_batch(42, 3, False, 0)) == (False, 0)
+    with pytest.raises(InvalidRecord):  # a client cannot write markers
+        split_batches(bytes(raw))
