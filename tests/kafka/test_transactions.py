@@ -320,3 +320,125 @@ def test_control_batches_are_transactional_control_batches_aiokafka_reads():
     assert parse_marker(control_batch(42, 3, False, 0)) == (False, 0)
     with pytest.raises(InvalidRecord):  # a client cannot write markers
         split_batches(bytes(raw))
+
+
+# ---------------------------------------------------------------- exactly once across a listener SIGKILL
+@pytest.fixture(scope="module")
+def eos_cluster(tmp_path_factory):
+    from streams.tools.localcluster import LocalCluster
+
+    c = LocalCluster(tmp_path_factory.mktemp("kafka-eos"), bookies=3)
+    c.start()
+    yield c
+    c.stop()
+
+
+def _txn_coordinator(port: int, txn_id: str) -> int:
+    from kio.schema.find_coordinator.v3 import FindCoordinatorRequest
+
+    from tests.kafka.shimproc import RawConnection
+
+    with RawConnection(port) as conn:
+        resp = conn.call(FindCoordinatorRequest(key=txn_id, key_type=1))
+    return resp.node_id
+
+
+def test_consume_transform_produce_is_exactly_once_across_a_listener_sigkill(eos_cluster, tmp_path):
+    """Two listeners (real processes); the loop reads ``in`` read_committed, writes ``out`` and
+    commits its input offsets in the same transaction; the listener coordinating the transaction is
+    SIGKILLed in the middle of one (outputs produced, not committed). The loop only follows the
+    client's documented error handling (retry, abort and rewind, or a new producer and rewind);
+    ``out`` read read_committed then holds every input exactly once."""
+    import signal
+
+    from tests.kafka.shimproc import ShimProcess
+
+    shims = [ShimProcess(eos_cluster.metadata_url, tmp_path, lease_ttl_s=2.0) for _ in range(2)]
+    for s in shims:
+        s.start()
+    try:
+        for s in shims:
+            s.wait_listening()
+        bootstrap = ",".join(s.bootstrap for s in shims)
+        parts, per_part = 2, 150
+        create_topic(bootstrap, "in", parts)
+        create_topic(bootstrap, "out", parts)
+        src = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+        for part in range(parts):
+            for k in range(per_part):
+                src.produce("in", b"p%d-%d" % (part, k), partition=part)
+        assert src.flush(30) == 0
+        txn_id, group = "eos-loop", "eos-group"
+        victim_node = _txn_coordinator(shims[0].port, txn_id)
+        victim = next(s for s in shims if s.node_id() == victim_node)
+
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                      "isolation.level": "read_committed", "auto.offset.reset": "earliest",
+                      "fetch.wait.max.ms": 50, "topic.metadata.refresh.interval.ms": 1000})
+        tps = [TopicPartition("in", part) for part in range(parts)]
+        c.assign(tps)
+
+        def new_producer():
+            return txn_producer(bootstrap, txn_id, **{"topic.metadata.refresh.interval.ms": 1000,
+                                                      "transaction.timeout.ms": 30_000})
+
+        def rewind():
+            for tp in c.committed(tps, timeout=30):
+                c.seek(TopicPartition("in", tp.partition, max(tp.offset, 0)))
+
+        def retrying(call, *args):
+            while True:
+                try:
+                    return call(*args)
+                except KafkaException as exc:
+                    if not exc.args[0].retriable():
+                        raise
+
+        p = new_producer()
+        rounds = kills = restarts = aborts = 0
+        deadline = time.monotonic() + 150
+        while True:
+            assert time.monotonic() < deadline, "the loop did not finish"
+            msgs = [m for m in c.consume(25, timeout=0.3) if m.error() is None]
+            if not msgs:
+                if sum(max(tp.offset, 0) for tp in c.committed(tps, timeout=30)) == parts * per_part:
+                    break
+                continue
+            try:
+                p.begin_transaction()
+                for m in msgs:
+                    p.produce("out", b"out-" + m.value(), partition=m.partition())
+                rounds += 1
+                if rounds == 3:
+                    p.flush(30)  # outputs stored in the open transaction
+                    victim.kill()  # SIGKILL: the transaction's coordinator goes away mid-transaction
+                    kills += 1
+                ends: dict[int, int] = {}
+                for m in msgs:
+                    ends[m.partition()] = max(ends.get(m.partition(), 0), m.offset() + 1)
+                offsets = [TopicPartition("in", part, off) for part, off in ends.items()]
+                retrying(p.send_offsets_to_transaction, offsets, c.consumer_group_metadata(), 60)
+                retrying(p.commit_transaction, 60)
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.txn_requires_abort():
+                    retrying(p.abort_transaction, 60)
+                    aborts += 1
+                else:  # fatal (fenced): a new producer with the same transactional id
+                    restarts += 1
+                    p = new_producer()
+                rewind()
+        c.close()
+        assert kills == 1 and not victim.alive and rounds > 6
+        survivor = next(s for s in shims if s.alive)
+        assert f"txn={txn_id} loaded" in survivor.log_text()  # the survivor took the transaction over
+        got = read_all(survivor.bootstrap, "out", "read_committed", parts)
+        values = sorted(v for _, _, v in got)
+        assert values == sorted(b"out-p%d-%d" % (part, k) for part in range(parts) for k in range(per_part)), (
+            len(values), len(set(values)), rounds, aborts, restarts)
+        for part in range(parts):  # in input order per partition
+            assert [v for pt, _, v in got if pt == part] == [b"out-p%d-%d" % (part, k) for k in range(per_part)]
+    finally:
+        for s in shims:
+            s.signal(signal.SIGCONT)
+            s.stop()
