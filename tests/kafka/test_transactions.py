@@ -442,3 +442,85 @@ def test_consume_transform_produce_is_exactly_once_across_a_listener_sigkill(eos
         for s in shims:
             s.signal(signal.SIGCONT)
             s.stop()
+
+
+# ---------------------------------------------------------------- the index rebuilt on open
+def _txn_batch(values: list[bytes], pid: int, epoch: int, seq: int, transactional: bool = True) -> bytes:
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+    b = DefaultRecordBatchBuilder(2, 0, int(transactional), pid, epoch, seq, 1 << 16)
+    for i, v in enumerate(values):
+        b.append(i, int(time.time() * 1000), None, v, [])
+    return bytes(b.build())
+
+
+def test_partition_transaction_index_is_rebuilt_on_take_over_and_read_only_open(kafka_cluster):
+    """Ongoing transactions, aborted ranges and marker coordinator epochs survive a take-over:
+    from the scan alone, from the snapshot alone, and from a snapshot plus a scan after it; a
+    read-only open builds the same index for read_committed."""
+    import asyncio
+
+    from compat_kafka.batches import split_batches
+    from compat_kafka.broker import Broker
+    from compat_kafka.partition import PartitionConfig, PartitionLog
+    from compat_kafka.transactions import TransactionCoordinatorFenced
+    from streams.client import connect
+
+    async def append(plog, raw):
+        _, futs = await plog.append(split_batches(raw))
+        await asyncio.gather(*futs)
+
+    async def reopen(client, name, writable=True):
+        plog = PartitionLog(client, name, 0, PartitionConfig(snapshot_interval_s=3600), writable=writable)
+        await plog.open()
+        if not writable:
+            await plog.ensure_txns()
+        return plog
+
+    def index(plog):
+        return plog.txns.ongoing, plog.txns.aborted, plog.txns.coordinator_epochs, plog.last_stable_offset
+
+    async def run():
+        client = await connect(kafka_cluster.metadata_url, add_timeout_s=5, call_timeout_s=5)
+        name = f"txn-rebuild-{time.monotonic_ns()}"
+        try:
+            await Broker(client).create_topic(name, 1, {})
+            a = await reopen(client, name)
+            await append(a, _txn_batch([b"a0", b"a1"], 100, 0, 0))  # offsets 0-1, producer 100
+            await append(a, _txn_batch([b"plain"], -1, -1, -1, transactional=False))  # 2
+            await append(a, _txn_batch([b"b0"], 200, 0, 0))  # 3, producer 200
+            await (await a.append_marker(100, 0, False, 5))  # 4: producer 100 aborts (coordinator epoch 5)
+            await append(a, _txn_batch([b"b1"], 200, 0, 1))  # 5
+            assert index(a) == ({200: 3}, [(100, 0, 4)], {100: 5}, 3)
+            want = index(a)
+            await a.close()  # writes a snapshot (everything acknowledged)
+
+            b = await reopen(client, name)  # from the snapshot
+            assert index(b) == want
+            with pytest.raises(TransactionCoordinatorFenced):
+                await b.append_marker(100, 0, True, 4)  # a marker from an older coordinator
+            await (await b.append_marker(200, 0, True, 6))  # 6: producer 200 commits
+            await append(b, _txn_batch([b"c0"], 100, 1, 0))  # 7: producer 100's next transaction
+            want = ({100: 7}, [(100, 0, 4)], {100: 5, 200: 6}, 7)
+            assert index(b) == want
+            b.failure = RuntimeError("crashed")  # no snapshot on close: the next open scans after the old one
+            await b.close()
+
+            c = await reopen(client, name)  # the snapshot (up to 6) plus a scan of 6-7
+            assert index(c) == want
+            assert c.txns.aborted_between(0, 7) == [(100, 0)] and c.txns.aborted_between(5, 7) == []
+            await c.close()
+
+            await client.cluster.store.delete(f"kafka/producer-state/{name}/0")
+            d = await reopen(client, name)  # from the scan alone
+            assert index(d) == want
+            await d.close()
+            e = await reopen(client, name, writable=False)  # read-only, for read_committed
+            assert index(e) == want
+            data = await e.read(0, 1 << 20, committed=True)  # stops at the LSO: the open transaction's batch
+            assert b"c0" not in bytes(data) and b"b1" in bytes(data)
+            await e.close()
+        finally:
+            await client.close()
+
+    asyncio.run(run())
