@@ -665,6 +665,7 @@ class TransactionCoordinator:
                                                                           meta.coordinator_epoch) for t, p in tps),
                                                return_exceptions=True)
             else:
+                log.info("txn=%s: markers for %d partitions sent to node %d", meta.transactional_id, len(tps), node)
                 results = await self._write_markers_remote(node, meta, commit, tps)
             for tp, r in zip(tps, results, strict=True):
                 if isinstance(r, TransactionCoordinatorFenced):

@@ -333,6 +333,27 @@ def eos_cluster(tmp_path_factory):
     c.stop()
 
 
+@pytest.fixture(scope="module")
+def listeners(eos_cluster, tmp_path_factory):
+    """Two listeners as real processes (2 s leases): partitions and coordinators spread over both."""
+    import signal
+
+    from tests.kafka.shimproc import ShimProcess
+
+    logs = tmp_path_factory.mktemp("txn-listeners")
+    shims = [ShimProcess(eos_cluster.metadata_url, logs, lease_ttl_s=2.0) for _ in range(2)]
+    for s in shims:
+        s.start()
+    try:
+        for s in shims:
+            s.wait_listening()
+        yield shims
+    finally:
+        for s in shims:
+            s.signal(signal.SIGCONT)
+            s.stop()
+
+
 def _txn_coordinator(port: int, txn_id: str) -> int:
     from kio.schema.find_coordinator.v3 import FindCoordinatorRequest
 
@@ -343,105 +364,119 @@ def _txn_coordinator(port: int, txn_id: str) -> int:
     return resp.node_id
 
 
-def test_consume_transform_produce_is_exactly_once_across_a_listener_sigkill(eos_cluster, tmp_path):
+def test_markers_reach_partitions_on_another_listener(listeners):
+    bootstrap = ",".join(s.bootstrap for s in listeners)
+    topic, parts = "spread-txn", 6
+    create_topic(bootstrap, topic, parts)
+    md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10)
+    leaders = {p.id: p.leader for p in md.topics[topic].partitions.values()}
+    assert len(set(leaders.values())) == 2  # partitions on both listeners
+    txn_id = "spread-txn-id"
+    p = txn_producer(bootstrap, txn_id)
+    p.begin_transaction()
+    for part in range(parts):
+        p.produce(topic, b"kept-%d" % part, partition=part)
+    p.commit_transaction(30)
+    p.begin_transaction()
+    for part in range(parts):
+        p.produce(topic, b"dropped-%d" % part, partition=part)
+    p.flush(30)  # stored (librdkafka drops unsent messages on abort)
+    p.abort_transaction(30)
+    coordinator = _txn_coordinator(listeners[0].port, txn_id)
+    owner = next(s for s in listeners if s.node_id() == coordinator)
+    assert f"txn={txn_id}: markers for" in owner.log_text()  # WriteTxnMarkers to the other listener
+    got = read_all(bootstrap, topic, "read_committed", parts)
+    assert sorted(v for _, _, v in got) == sorted(b"kept-%d" % part for part in range(parts))
+    got = read_all(bootstrap, topic, "read_uncommitted", parts)
+    assert len(got) == 2 * parts
+
+
+def test_consume_transform_produce_is_exactly_once_across_a_listener_sigkill(listeners):
     """Two listeners (real processes); the loop reads ``in`` read_committed, writes ``out`` and
     commits its input offsets in the same transaction; the listener coordinating the transaction is
     SIGKILLed in the middle of one (outputs produced, not committed). The loop only follows the
     client's documented error handling (retry, abort and rewind, or a new producer and rewind);
-    ``out`` read read_committed then holds every input exactly once."""
-    import signal
+    ``out`` read read_committed then holds every input exactly once. (Runs last: it kills one.)"""
+    shims = listeners
+    bootstrap = ",".join(s.bootstrap for s in shims)
+    parts, per_part = 2, 150
+    create_topic(bootstrap, "in", parts)
+    create_topic(bootstrap, "out", parts)
+    src = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    for part in range(parts):
+        for k in range(per_part):
+            src.produce("in", b"p%d-%d" % (part, k), partition=part)
+    assert src.flush(30) == 0
+    txn_id, group = "eos-loop", "eos-group"
+    victim_node = _txn_coordinator(shims[0].port, txn_id)
+    victim = next(s for s in shims if s.node_id() == victim_node)
 
-    from tests.kafka.shimproc import ShimProcess
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                  "isolation.level": "read_committed", "auto.offset.reset": "earliest",
+                  "fetch.wait.max.ms": 50, "topic.metadata.refresh.interval.ms": 1000})
+    tps = [TopicPartition("in", part) for part in range(parts)]
+    c.assign(tps)
 
-    shims = [ShimProcess(eos_cluster.metadata_url, tmp_path, lease_ttl_s=2.0) for _ in range(2)]
-    for s in shims:
-        s.start()
-    try:
-        for s in shims:
-            s.wait_listening()
-        bootstrap = ",".join(s.bootstrap for s in shims)
-        parts, per_part = 2, 150
-        create_topic(bootstrap, "in", parts)
-        create_topic(bootstrap, "out", parts)
-        src = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
-        for part in range(parts):
-            for k in range(per_part):
-                src.produce("in", b"p%d-%d" % (part, k), partition=part)
-        assert src.flush(30) == 0
-        txn_id, group = "eos-loop", "eos-group"
-        victim_node = _txn_coordinator(shims[0].port, txn_id)
-        victim = next(s for s in shims if s.node_id() == victim_node)
+    def new_producer():
+        return txn_producer(bootstrap, txn_id, **{"topic.metadata.refresh.interval.ms": 1000,
+                                                  "transaction.timeout.ms": 30_000})
 
-        c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
-                      "isolation.level": "read_committed", "auto.offset.reset": "earliest",
-                      "fetch.wait.max.ms": 50, "topic.metadata.refresh.interval.ms": 1000})
-        tps = [TopicPartition("in", part) for part in range(parts)]
-        c.assign(tps)
+    def rewind():
+        for tp in c.committed(tps, timeout=30):
+            c.seek(TopicPartition("in", tp.partition, max(tp.offset, 0)))
 
-        def new_producer():
-            return txn_producer(bootstrap, txn_id, **{"topic.metadata.refresh.interval.ms": 1000,
-                                                      "transaction.timeout.ms": 30_000})
-
-        def rewind():
-            for tp in c.committed(tps, timeout=30):
-                c.seek(TopicPartition("in", tp.partition, max(tp.offset, 0)))
-
-        def retrying(call, *args):
-            while True:
-                try:
-                    return call(*args)
-                except KafkaException as exc:
-                    if not exc.args[0].retriable():
-                        raise
-
-        p = new_producer()
-        rounds = kills = restarts = aborts = 0
-        deadline = time.monotonic() + 150
+    def retrying(call, *args):
         while True:
-            assert time.monotonic() < deadline, "the loop did not finish"
-            msgs = [m for m in c.consume(25, timeout=0.3) if m.error() is None]
-            if not msgs:
-                if sum(max(tp.offset, 0) for tp in c.committed(tps, timeout=30)) == parts * per_part:
-                    break
-                continue
             try:
-                p.begin_transaction()
-                for m in msgs:
-                    p.produce("out", b"out-" + m.value(), partition=m.partition())
-                rounds += 1
-                if rounds == 3:
-                    p.flush(30)  # outputs stored in the open transaction
-                    victim.kill()  # SIGKILL: the transaction's coordinator goes away mid-transaction
-                    kills += 1
-                ends: dict[int, int] = {}
-                for m in msgs:
-                    ends[m.partition()] = max(ends.get(m.partition(), 0), m.offset() + 1)
-                offsets = [TopicPartition("in", part, off) for part, off in ends.items()]
-                retrying(p.send_offsets_to_transaction, offsets, c.consumer_group_metadata(), 60)
-                retrying(p.commit_transaction, 60)
+                return call(*args)
             except KafkaException as exc:
-                err = exc.args[0]
-                if err.txn_requires_abort():
-                    retrying(p.abort_transaction, 60)
-                    aborts += 1
-                else:  # fatal (fenced): a new producer with the same transactional id
-                    restarts += 1
-                    p = new_producer()
-                rewind()
-        c.close()
-        assert kills == 1 and not victim.alive and rounds > 6
-        survivor = next(s for s in shims if s.alive)
-        assert f"txn={txn_id} loaded" in survivor.log_text()  # the survivor took the transaction over
-        got = read_all(survivor.bootstrap, "out", "read_committed", parts)
-        values = sorted(v for _, _, v in got)
-        assert values == sorted(b"out-p%d-%d" % (part, k) for part in range(parts) for k in range(per_part)), (
-            len(values), len(set(values)), rounds, aborts, restarts)
-        for part in range(parts):  # in input order per partition
-            assert [v for pt, _, v in got if pt == part] == [b"out-p%d-%d" % (part, k) for k in range(per_part)]
-    finally:
-        for s in shims:
-            s.signal(signal.SIGCONT)
-            s.stop()
+                if not exc.args[0].retriable():
+                    raise
+
+    p = new_producer()
+    rounds = kills = restarts = aborts = 0
+    deadline = time.monotonic() + 150
+    while True:
+        assert time.monotonic() < deadline, "the loop did not finish"
+        msgs = [m for m in c.consume(25, timeout=0.3) if m.error() is None]
+        if not msgs:
+            if sum(max(tp.offset, 0) for tp in c.committed(tps, timeout=30)) == parts * per_part:
+                break
+            continue
+        try:
+            p.begin_transaction()
+            for m in msgs:
+                p.produce("out", b"out-" + m.value(), partition=m.partition())
+            rounds += 1
+            if rounds == 3:
+                p.flush(30)  # outputs stored in the open transaction
+                victim.kill()  # SIGKILL: the transaction's coordinator goes away mid-transaction
+                kills += 1
+            ends: dict[int, int] = {}
+            for m in msgs:
+                ends[m.partition()] = max(ends.get(m.partition(), 0), m.offset() + 1)
+            offsets = [TopicPartition("in", part, off) for part, off in ends.items()]
+            retrying(p.send_offsets_to_transaction, offsets, c.consumer_group_metadata(), 60)
+            retrying(p.commit_transaction, 60)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.txn_requires_abort():
+                retrying(p.abort_transaction, 60)
+                aborts += 1
+            else:  # fatal (fenced): a new producer with the same transactional id
+                restarts += 1
+                p = new_producer()
+            rewind()
+    c.close()
+    assert kills == 1 and not victim.alive and rounds > 6
+    survivor = next(s for s in shims if s.alive)
+    assert f"txn={txn_id} loaded" in survivor.log_text()  # the survivor took the transaction over
+    got = read_all(survivor.bootstrap, "out", "read_committed", parts)
+    values = sorted(v for _, _, v in got)
+    assert values == sorted(b"out-p%d-%d" % (part, k) for part in range(parts) for k in range(per_part)), (
+        len(values), len(set(values)), rounds, aborts, restarts)
+    for part in range(parts):  # in input order per partition
+        assert [v for pt, _, v in got if pt == part] == [b"out-p%d-%d" % (part, k) for k in range(per_part)]
 
 
 # ---------------------------------------------------------------- the index rebuilt on open
