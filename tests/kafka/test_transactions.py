@@ -559,3 +559,42 @@ def test_partition_transaction_index_is_rebuilt_on_take_over_and_read_only_open(
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_new_coordinator_fences_the_old_one(kafka_cluster):
+    """Two coordinators of one transactional id (library brokers, no ownership: both believe they
+    coordinate it, as an old one does before it notices its lease is gone): the one that loads the
+    id last bumps the coordinator epoch; the old one's writes fail (NOT_COORDINATOR) and partitions
+    refuse its markers (TRANSACTION_COORDINATOR_FENCED)."""
+    import asyncio
+
+    from kio.schema.add_partitions_to_txn.v3.request import AddPartitionsToTxnTopic
+
+    from compat_kafka.broker import Broker
+    from compat_kafka.transactions import NotCoordinator, TransactionCoordinatorFenced
+    from streams.client import connect
+
+    async def run():
+        client = await connect(kafka_cluster.metadata_url, add_timeout_s=5, call_timeout_s=5)
+        name = f"txn-coord-{time.monotonic_ns()}"
+        old, new = Broker(client), Broker(client)
+        try:
+            await old.create_topic(name, 1, {})
+            pid, epoch = await old.txn.init_producer_id(name, 10_000, -1, -1)
+            topics = (AddPartitionsToTxnTopic(name=name, partitions=(0,)),)
+            assert (await old.txn._add_partitions(name, pid, epoch, topics, 3))[name][0] == 0
+            # the new coordinator loads the id: coordinator epoch 1; the producer goes on with it
+            assert (await new.txn._add_partitions(name, pid, epoch, topics, 3))[name][0] == 0
+            assert new.txn.state_of(name).coordinator_epoch == old.txn.state_of(name).coordinator_epoch + 1
+            with pytest.raises(NotCoordinator):  # the old one's next write fails
+                await old.txn.init_producer_id(name, 10_000, -1, -1)
+            meta = new.txn.state_of(name)
+            await new.txn.write_marker_local(name, 0, pid, epoch, True, meta.coordinator_epoch)
+            with pytest.raises(TransactionCoordinatorFenced):  # a late marker of the old coordinator
+                await old.txn.write_marker_local(name, 0, pid, epoch, False, meta.coordinator_epoch - 1)
+        finally:
+            await old.close()
+            await new.close()
+            await client.close()
+
+    asyncio.run(run())
