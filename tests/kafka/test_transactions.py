@@ -6,6 +6,7 @@ transaction index as units."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -92,8 +93,18 @@ def read_all(bootstrap: str, topic: str, isolation: str, partitions: int = 1) ->
         c.close()
 
 
+async def _with_client(url: str, fn):
+    from streams.client import connect
+
+    client = await connect(url)
+    try:
+        return await fn(client)
+    finally:
+        await client.close()
+
+
 # ---------------------------------------------------------------- clients
-def test_commit_and_abort_as_read_committed_and_read_uncommitted_consumers_see_them(shim, topic):
+def test_commit_and_abort_as_read_committed_and_read_uncommitted_consumers_see_them(kafka_cluster, shim, topic):
     create_topic(shim.bootstrap, topic)
     p = txn_producer(shim.bootstrap, f"{topic}-txn")
     p.begin_transaction()
@@ -118,6 +129,19 @@ def test_commit_and_abort_as_read_committed_and_read_uncommitted_consumers_see_t
     c = consumer(shim.bootstrap, "read_committed")
     assert c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10, cached=False) == (0, 12)
     c.close()
+
+    async def python_read(client):  # the streams API's consumer: data records only (read_uncommitted)
+        c = await client.consumer(topic)
+        out = []
+        while len(out) < 9:
+            got = await c.read(100, timeout_s=5)
+            assert got, out
+            out += got
+        assert await c.read(100, timeout_s=0.2) == []  # no control records after the last marker
+        return [(r.offset, r.value) for r in out]
+
+    assert asyncio.run(_with_client(kafka_cluster.metadata_url, python_read)) == [
+        (o, v) for _, o, v in uncommitted]
 
 
 def test_a_read_committed_consumer_waits_for_the_commit(shim, topic):
@@ -493,8 +517,6 @@ def test_partition_transaction_index_is_rebuilt_on_take_over_and_read_only_open(
     """Ongoing transactions, aborted ranges and marker coordinator epochs survive a take-over:
     from the scan alone, from the snapshot alone, and from a snapshot plus a scan after it; a
     read-only open builds the same index for read_committed."""
-    import asyncio
-
     from compat_kafka.batches import split_batches
     from compat_kafka.broker import Broker
     from compat_kafka.partition import PartitionConfig, PartitionLog
@@ -566,8 +588,6 @@ def test_a_new_coordinator_fences_the_old_one(kafka_cluster):
     coordinate it, as an old one does before it notices its lease is gone): the one that loads the
     id last bumps the coordinator epoch; the old one's writes fail (NOT_COORDINATOR) and partitions
     refuse its markers (TRANSACTION_COORDINATOR_FENCED)."""
-    import asyncio
-
     from kio.schema.add_partitions_to_txn.v3.request import AddPartitionsToTxnTopic
 
     from compat_kafka.broker import Broker
