@@ -32,8 +32,11 @@ listener for the partitions it owns, by WriteTxnMarkers (API 27) to the owner fo
 marker that fails is retried (back-off up to 1 s) until it is written; the state stays Prepare* in
 the metadata store meanwhile, so a listener that takes the id over after a fail-over finishes the
 job (``_sweep`` finds Prepare* and expired Ongoing transactions whose coordinator is gone). EndTxn
-is answered once the markers are written, or after ``end_txn_wait_s`` with success anyway (the
-decision is durable); later requests for the id then get CONCURRENT_TRANSACTIONS until it is done.
+is answered once the markers (and the transaction's offsets) are written — so a read_committed
+consumer sees the outcome once the client's commit returns — or after ``end_txn_wait_s`` with
+success anyway (the decision is durable); Complete* is written after the answer. A request for the
+id while it is being completed waits for that (up to ``end_txn_wait_s``, then
+CONCURRENT_TRANSACTIONS, which clients retry).
 
 Offsets in a transaction (``send_offsets_to_transaction``): AddOffsetsToTxn adds the group to the
 transaction; TxnOffsetCommit, served by the group's coordinator, keeps the offsets pending in
@@ -393,6 +396,7 @@ class _Loaded:
     version: int  # of the metadata key (0: absent)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     finishing: asyncio.Task | None = None
+    written: asyncio.Event | None = None  # set once the finishing task wrote every marker (and offsets)
 
 
 class TransactionCoordinator:
@@ -484,11 +488,8 @@ class TransactionCoordinator:
     async def init_producer_id(self, txn_id: str, timeout_ms: int, producer_id: int, epoch: int) -> tuple[int, int]:
         loaded = await self._load(txn_id)
         async with loaded.lock:
+            await self._not_preparing(loaded, txn_id)
             meta = loaded.meta
-            if meta is not None and meta.preparing:
-                if not await self._wait_finished(loaded):
-                    raise ConcurrentTransactions(f"transactional id {txn_id!r} is completing a transaction")
-                meta = loaded.meta
             new_pid = await self.broker.producer_ids.allocate() if needs_new_producer_id(meta) else None
             nxt = init_txn(meta, txn_id, timeout_ms, self.config.max_timeout_ms, self._now_ms(), producer_id, epoch,
                            new_pid)
@@ -503,22 +504,31 @@ class TransactionCoordinator:
         log.info("txn=%s: producer id %d epoch %d", txn_id, nxt.producer_id, nxt.epoch)
         return nxt.producer_id, nxt.epoch
 
-    async def _wait_finished(self, loaded: _Loaded) -> bool:
-        """Wait (lock released) up to end_txn_wait_s for a Prepare* transaction to complete."""
+    async def _wait_finished(self, loaded: _Loaded, markers_only: bool = False) -> bool:
+        """Wait (lock released; the caller holds it) up to end_txn_wait_s for a Prepare*
+        transaction to complete (``markers_only``: for its markers and offsets to be written)."""
         task = loaded.finishing
-        if task is None:
+        if task is None or task.done():
             return not (loaded.meta and loaded.meta.preparing)
-        locked = loaded.lock.locked()
-        if locked:
-            loaded.lock.release()
+        waiter = loaded.written.wait() if markers_only and loaded.written is not None else asyncio.shield(task)
+        loaded.lock.release()
         try:
-            await asyncio.wait_for(asyncio.shield(task), self.config.end_txn_wait_s)
+            await asyncio.wait_for(waiter, self.config.end_txn_wait_s)
         except (TimeoutError, Exception):
             pass
         finally:
-            if locked:
-                await loaded.lock.acquire()
+            await loaded.lock.acquire()
+        if markers_only and loaded.written is not None and loaded.written.is_set():
+            return True
         return not (loaded.meta and loaded.meta.preparing)
+
+    async def _not_preparing(self, loaded: _Loaded, txn_id: str) -> None:
+        """A request arriving while the last transaction is being completed waits for it (briefly;
+        then CONCURRENT_TRANSACTIONS, which the client retries)."""
+        if loaded.meta is not None and loaded.meta.preparing:
+            self._finish_later(txn_id, loaded)
+            if not await self._wait_finished(loaded):
+                raise ConcurrentTransactions(f"transactional id {txn_id!r} is completing a transaction")
 
     # ------------------------------------------------------------ AddPartitionsToTxn / AddOffsetsToTxn
     async def add_partitions_to_txn(self, req, resp_cls):
@@ -550,7 +560,9 @@ class TransactionCoordinator:
         wanted = [(t.name, p) for t in topics for p in t.partitions]
         codes: dict[str, dict[int, ErrorCode]] = {}
         bad = {}
-        for name in {n for n, _ in wanted}:
+        cur = self._txns.get(txn_id)
+        known = cur.meta.partitions if cur is not None and cur.meta is not None else frozenset()
+        for name in {n for n, p in wanted if (n, p) not in known}:
             meta = await self.broker.topic(name)
             for n, p in wanted:
                 if n == name and (meta is None or not 0 <= p < meta.partitions):
@@ -562,6 +574,7 @@ class TransactionCoordinator:
             try:
                 loaded = await self._load(txn_id)
                 async with loaded.lock:
+                    await self._not_preparing(loaded, txn_id)
                     if verify_only:  # KIP-890 verification: the partitions must be in the ongoing transaction
                         meta = check_producer(loaded.meta, txn_id, producer_id, epoch)
                         if meta.state != ONGOING or not set(wanted) <= meta.partitions:
@@ -584,6 +597,7 @@ class TransactionCoordinator:
                 raise InvalidRequest("an empty group id")
             loaded = await self._load(req.transactional_id)
             async with loaded.lock:
+                await self._not_preparing(loaded, req.transactional_id)
                 nxt = add_to_txn(loaded.meta, req.transactional_id, req.producer_id, req.producer_epoch,
                                  self._now_ms(), groups=[req.group_id])
                 if nxt != loaded.meta:
@@ -608,7 +622,7 @@ class TransactionCoordinator:
                              nxt.state, len(nxt.partitions), len(nxt.groups))
                 if nxt.preparing:
                     self._finish_later(txn_id, loaded)
-                    if not await self._wait_finished(loaded):
+                    if not await self._wait_finished(loaded, markers_only=True):
                         log.warning("txn=%s: markers not all written after %.1f s; answering EndTxn, finishing "
                                     "in the background", txn_id, self.config.end_txn_wait_s)
             code = ErrorCode.none
@@ -620,6 +634,7 @@ class TransactionCoordinator:
     # ------------------------------------------------------------ finishing: markers, offsets, Complete*
     def _finish_later(self, txn_id: str, loaded: _Loaded) -> None:
         if loaded.finishing is None or loaded.finishing.done():
+            loaded.written = asyncio.Event()
             loaded.finishing = asyncio.get_running_loop().create_task(self._finish(txn_id, loaded),
                                                                       name=f"kafka-txn-finish-{txn_id}")
 
@@ -635,6 +650,7 @@ class TransactionCoordinator:
                 pending = await self._write_markers(meta, commit, pending)
                 if not pending:
                     await self._settle_offsets(meta, commit)
+                    loaded.written.set()  # EndTxn can be answered: read_committed consumers see the outcome
                     async with loaded.lock:
                         if loaded.meta is not meta:  # changed under us (should not happen while preparing)
                             return
@@ -655,8 +671,12 @@ class TransactionCoordinator:
         """Write the markers; returns the partitions still to do."""
         by_owner: dict[int | None, list[tuple[str, int]]] = {}
         for tp in sorted(partitions):
-            owner = await self.broker.ownership.owner(partition_key_of(*tp))
-            node = None if owner is None or owner.node_id == self.broker.node_id else owner.node_id
+            key = partition_key_of(*tp)
+            if self.broker.ownership.owns(key):
+                node = None
+            else:
+                owner = await self.broker.ownership.owner(key)
+                node = None if owner is None or owner.node_id == self.broker.node_id else owner.node_id
             by_owner.setdefault(node, []).append(tp)
         left = set()
         for node, tps in by_owner.items():
