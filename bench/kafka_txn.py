@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--value-bytes", type=int, default=1024)
     ap.add_argument("--dir", default=None, help="cluster directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--profile", action="store_true", help="py-spy the listener during the transactional phases")
+    ap.add_argument("--py-spy", default="py-spy")
     args = ap.parse_args()
     sizes = [int(x) for x in args.per_txn.split(",") if x]
 
@@ -159,8 +161,17 @@ def main() -> int:
               f"{idem['shim_cpu_us_per_record']:.1f} µs/record, errors {idem['errors']}", flush=True)
         results["transactional"] = []
         for n in sizes:
+            spy = None
+            if args.profile:
+                spy = subprocess.Popen([args.py_spy, "record", "-p", str(shim.pid), "-f", "raw", "-o",
+                                        str(base / f"listener-txn-{n}.txt"), "--nonblocking", "-r", "100"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             c0 = cpu_s(shim.pid)
             tx = transactional(bootstrap, topic, args.records, n, value, f"bench-txn-{n}")
+            if spy is not None:
+                spy.send_signal(2)
+                spy.wait(30)
+                print(f"profile: {base / f'listener-txn-{n}.txt'}", flush=True)
             tx["shim_cpu_us_per_record"] = (cpu_s(shim.pid) - c0) / args.records * 1e6
             tx["ratio_to_idempotent"] = tx["records_per_s"] / idem["records_per_s"]
             results["transactional"].append(tx)
