@@ -93,6 +93,15 @@ def read_all(bootstrap: str, topic: str, isolation: str, partitions: int = 1) ->
         c.close()
 
 
+def _txn_batch(values: list[bytes], pid: int, epoch: int, seq: int, transactional: bool = True) -> bytes:
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+    b = DefaultRecordBatchBuilder(2, 0, int(transactional), pid, epoch, seq, 1 << 16)
+    for i, v in enumerate(values):
+        b.append(i, int(time.time() * 1000), None, v, [])
+    return bytes(b.build())
+
+
 async def _with_client(url: str, fn):
     from streams.client import connect
 
@@ -244,6 +253,77 @@ def test_offsets_sent_to_a_transaction_are_committed_with_it(shim, topic):
     p.commit_transaction(30)
     assert c.committed([TopicPartition(topic, 0)], timeout=10)[0].offset == 2
     c.close()
+
+
+def test_bad_transactional_requests_get_kafka_errors(shim, topic):
+    """Raw protocol: each misuse gets the error code a Kafka broker answers."""
+    import datetime
+
+    from kio.schema.add_partitions_to_txn import v1 as ap1
+    from kio.schema.add_partitions_to_txn import v3 as ap3
+    from kio.schema.add_partitions_to_txn import v4 as ap4
+    from kio.schema.end_txn.v3 import EndTxnRequest
+    from kio.schema.errors import ErrorCode
+    from kio.schema.init_producer_id.v4 import InitProducerIdRequest
+    from kio.schema.produce.v9 import ProduceRequest
+    from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
+
+    from compat_kafka.transactions import control_batch
+    from tests.kafka.shimproc import RawConnection
+
+    create_topic(shim.bootstrap, topic)
+    txn_id = f"{topic}-txn"
+
+    def init(conn, timeout_s=60):
+        r = conn.call(InitProducerIdRequest(transactional_id=txn_id, transaction_timeout=datetime.timedelta(
+            seconds=timeout_s), producer_id=-1, producer_epoch=-1))
+        return r.error_code, r.producer_id, r.producer_epoch
+
+    def add(conn, pid, epoch, name=topic, tid=txn_id, mod=ap3):
+        r = conn.call(mod.AddPartitionsToTxnRequest(
+            v3_and_below_transactional_id=tid, v3_and_below_producer_id=pid, v3_and_below_producer_epoch=epoch,
+            v3_and_below_topics=(mod.request.AddPartitionsToTxnTopic(name=name, partitions=(0,)),)))
+        return r.results_by_topic_v3_and_below[0].results_by_partition[0].partition_error_code
+
+    def end(conn, pid, epoch, commit=True):
+        return conn.call(EndTxnRequest(transactional_id=txn_id, producer_id=pid, producer_epoch=epoch,
+                                       committed=commit)).error_code
+
+    def produce(conn, raw, tid=txn_id):
+        r = conn.call(ProduceRequest(transactional_id=tid, acks=-1, timeout=datetime.timedelta(seconds=10),
+                                     topic_data=(TopicProduceData(name=topic, partition_data=(
+                                         PartitionProduceData(index=0, records=raw),)),)))
+        return r.responses[0].partition_responses[0].error_code
+
+    with RawConnection(shim.port) as conn:
+        assert init(conn, timeout_s=3600)[0] == ErrorCode.invalid_transaction_timeout  # over the 15 min max
+        err, pid, epoch = init(conn)
+        assert err == ErrorCode.none
+        assert init(conn)[1:] == (pid, epoch + 1)  # the same id, the next epoch
+        epoch += 1
+        assert end(conn, pid, epoch) == ErrorCode.invalid_txn_state  # nothing to commit
+        assert add(conn, pid, epoch - 1) == ErrorCode.producer_fenced  # an older epoch (v2+)
+        assert add(conn, pid, epoch - 1, mod=ap1) == ErrorCode.invalid_producer_epoch  # (before KIP-588)
+        assert add(conn, pid + 1, epoch) == ErrorCode.invalid_producer_id_mapping
+        assert add(conn, pid, epoch, tid="never-initialised") == ErrorCode.invalid_producer_id_mapping
+        assert add(conn, pid, epoch, name="no-such-topic-x") == ErrorCode.unknown_topic_or_partition
+        assert produce(conn, _txn_batch([b"x"], pid, epoch, 0)) == ErrorCode.invalid_txn_state  # not added
+        assert produce(conn, _txn_batch([b"x"], pid, epoch, 0), tid=None) == ErrorCode.invalid_request
+        assert produce(conn, bytes(control_batch(pid, epoch, True, 0))) == ErrorCode.invalid_record
+        assert add(conn, pid, epoch) == ErrorCode.none
+        assert produce(conn, _txn_batch([b"x"], pid, epoch - 1, 0)) == ErrorCode.invalid_producer_epoch
+        assert produce(conn, _txn_batch([b"x"], pid, epoch, 0)) == ErrorCode.none
+        # the broker-to-broker batch form (v4) answers per transaction; verify_only checks membership
+        r = conn.call(ap4.AddPartitionsToTxnRequest(transactions=(ap4.request.AddPartitionsToTxnTransaction(
+            transactional_id=txn_id, producer_id=pid, producer_epoch=epoch, verify_only=True,
+            topics=(ap4.request.AddPartitionsToTxnTopic(name=topic, partitions=(0,)),)),)))
+        res = r.results_by_transaction[0]
+        assert res.transactional_id == txn_id
+        assert res.topic_results[0].results_by_partition[0].partition_error_code == ErrorCode.none
+        assert end(conn, pid, epoch, commit=True) == ErrorCode.none
+        assert end(conn, pid, epoch, commit=True) == ErrorCode.none  # a retry of a finished commit
+        assert end(conn, pid, epoch, commit=False) == ErrorCode.invalid_txn_state
+    assert [v for _, _, v in read_all(shim.bootstrap, topic, "read_committed")] == [b"x"]
 
 
 # ---------------------------------------------------------------- the coordinator state machine
@@ -504,15 +584,6 @@ def test_consume_transform_produce_is_exactly_once_across_a_listener_sigkill(lis
 
 
 # ---------------------------------------------------------------- the index rebuilt on open
-def _txn_batch(values: list[bytes], pid: int, epoch: int, seq: int, transactional: bool = True) -> bytes:
-    from aiokafka.record.default_records import DefaultRecordBatchBuilder
-
-    b = DefaultRecordBatchBuilder(2, 0, int(transactional), pid, epoch, seq, 1 << 16)
-    for i, v in enumerate(values):
-        b.append(i, int(time.time() * 1000), None, v, [])
-    return bytes(b.build())
-
-
 def test_partition_transaction_index_is_rebuilt_on_take_over_and_read_only_open(kafka_cluster):
     """Ongoing transactions, aborted ranges and marker coordinator epochs survive a take-over:
     from the scan alone, from the snapshot alone, and from a snapshot plus a scan after it; a
