@@ -209,6 +209,40 @@ def test_a_new_producer_fences_the_old_one_and_aborts_its_transaction(shim, topi
     assert [v for _, _, v in read_all(shim.bootstrap, topic, "read_uncommitted")] == [b"zombie-0", b"fresh-0"]
 
 
+def test_a_producer_killed_mid_transaction_is_fenced_and_its_transaction_aborted(shim, topic):
+    """The producer process is SIGKILLed with its transaction open (records stored); the next
+    producer with its transactional id bumps the epoch and the open transaction is aborted: the
+    read_committed consumer, held at the transaction's first offset until then, moves past it."""
+    import subprocess
+    import sys
+
+    create_topic(shim.bootstrap, topic)
+    txn_id = f"{topic}-txn"
+    script = (
+        "import os, signal, sys\n"
+        "from confluent_kafka import Producer\n"
+        f"p = Producer({{'bootstrap.servers': '{shim.bootstrap}', 'transactional.id': '{txn_id}'}})\n"
+        "p.init_transactions(30)\n"
+        "p.begin_transaction()\n"
+        f"for i in range(10): p.produce('{topic}', b'doomed-%d' % i)\n"
+        "assert p.flush(30) == 0\n"
+        "print('stored', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9 and "stored" in proc.stdout, proc.stderr[-2000:]
+    c = consumer(shim.bootstrap, "read_committed")
+    tp = TopicPartition(topic, 0)
+    assert c.get_watermark_offsets(tp, timeout=10, cached=False) == (0, 0)  # held at the open transaction
+    p = txn_producer(shim.bootstrap, txn_id)  # fences the dead producer's epoch and aborts its transaction
+    assert c.get_watermark_offsets(tp, timeout=10, cached=False) == (0, 11)  # 10 records + the abort marker
+    c.close()
+    p.begin_transaction()
+    p.produce(topic, b"next")
+    p.commit_transaction(30)
+    assert [v for _, _, v in read_all(shim.bootstrap, topic, "read_committed")] == [b"next"]
+    assert len(read_all(shim.bootstrap, topic, "read_uncommitted")) == 11
+
+
 def test_a_transaction_past_its_timeout_is_aborted(shim, topic):
     create_topic(shim.bootstrap, topic)
     p = txn_producer(shim.bootstrap, f"{topic}-txn", **{"transaction.timeout.ms": 1500})
@@ -469,6 +503,11 @@ def _txn_coordinator(port: int, txn_id: str) -> int:
 
 
 def test_markers_reach_partitions_on_another_listener(listeners):
+    from kio.schema.end_txn.v3 import EndTxnRequest
+    from kio.schema.errors import ErrorCode
+
+    from tests.kafka.shimproc import RawConnection
+
     bootstrap = ",".join(s.bootstrap for s in listeners)
     topic, parts = "spread-txn", 6
     create_topic(bootstrap, topic, parts)
@@ -489,6 +528,10 @@ def test_markers_reach_partitions_on_another_listener(listeners):
     coordinator = _txn_coordinator(listeners[0].port, txn_id)
     owner = next(s for s in listeners if s.node_id() == coordinator)
     assert f"txn={txn_id}: markers for" in owner.log_text()  # WriteTxnMarkers to the other listener
+    other = next(s for s in listeners if s is not owner)
+    with RawConnection(other.port) as conn:  # the other listener does not serve the id
+        r = conn.call(EndTxnRequest(transactional_id=txn_id, producer_id=0, producer_epoch=0, committed=True))
+    assert r.error_code == ErrorCode.not_coordinator
     got = read_all(bootstrap, topic, "read_committed", parts)
     assert sorted(v for _, _, v in got) == sorted(b"kept-%d" % part for part in range(parts))
     got = read_all(bootstrap, topic, "read_uncommitted", parts)
