@@ -516,9 +516,11 @@ class PartitionLog:
 
         last = self.producer.lac if self.writable else self._last_entry
         b = await search_timestamp(next_in, r.earliest_entry() - 1, last + 1, ts)
-        if b is None or b.base_offset >= hw:
-            return -1, -1
-        for rec in records_of(b, self.stream, max(b.base_offset, self.log_start)):
-            if rec.timestamp_ms >= ts:
-                return rec.offset, rec.timestamp_ms
+        while b is not None and b.base_offset < hw:
+            for rec in records_of(b, self.stream, max(b.base_offset, self.log_start)):
+                if rec.timestamp_ms >= ts:
+                    return rec.offset, rec.timestamp_ms
+            if not b.attributes & ATTR_CONTROL:
+                break
+            b = await next_in(b.entry_id + 1, last)  # a transaction marker holds no record: the next batch
         return -1, -1

@@ -185,6 +185,23 @@ def test_a_read_committed_consumer_waits_for_the_commit(shim, topic):
     uncommitted.close()
 
 
+def test_a_timestamp_lookup_landing_on_a_marker_finds_the_next_record(shim, topic):
+    create_topic(shim.bootstrap, topic)
+    t0 = int(time.time() * 1000) - 3_600_000
+    p = txn_producer(shim.bootstrap, f"{topic}-txn")
+    p.begin_transaction()
+    p.produce(topic, b"old", timestamp=t0)  # offset 0; the commit marker (offset 1) is stamped now
+    p.commit_transaction(30)
+    later = int(time.time() * 1000) + 3_600_000
+    plain = Producer({"bootstrap.servers": shim.bootstrap})
+    plain.produce(topic, b"later", timestamp=later)  # offset 2
+    plain.flush(30)
+    c = consumer(shim.bootstrap, "read_committed")
+    found = c.offsets_for_times([TopicPartition(topic, 0, t0 + 1)], timeout=10)  # after "old", before the marker
+    assert found[0].offset == 2
+    c.close()
+
+
 def test_a_new_producer_fences_the_old_one_and_aborts_its_transaction(shim, topic):
     create_topic(shim.bootstrap, topic)
     txn_id = f"{topic}-txn"
