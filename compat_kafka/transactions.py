@@ -57,6 +57,7 @@ and rebuilt by the same scan on open (``partition._rebuild_producer_state``).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import logging
@@ -319,7 +320,7 @@ class PartitionTxns:
     (the oldest go first; document: a read_committed consumer reading that far back would then see
     aborted records)."""
 
-    def __init__(self, max_aborted: int = 10_000):
+    def __init__(self, max_aborted: int = 5_000):
         self.max_aborted = max_aborted
         self.ongoing: dict[int, int] = {}  # producer id -> first offset of its ongoing transaction
         self.aborted: list[tuple[int, int, int]] = []  # (producer id, first offset, marker offset)
@@ -342,11 +343,16 @@ class PartitionTxns:
         return min(min(self.ongoing.values(), default=high_watermark), high_watermark)
 
     def aborted_between(self, start: int, end: int) -> list[tuple[int, int]]:
-        """(producer id, first offset) of the aborted transactions with data in [start, end)."""
-        return [(pid, first) for pid, first, last in self.aborted if last >= start and first < end]
+        """(producer id, first offset) of the aborted transactions with data in [start, end). The
+        ranges are in marker order, so those ending at or after ``start`` are a suffix."""
+        i = bisect.bisect_left(self.aborted, start, key=lambda a: a[2])
+        return [(pid, first) for pid, first, _ in self.aborted[i:] if first < end]
 
     def trim(self, log_start: int) -> None:
-        self.aborted = [a for a in self.aborted if a[2] >= log_start]
+        """Forget aborted ranges that ended below the log start (retention removed them)."""
+        i = bisect.bisect_left(self.aborted, log_start, key=lambda a: a[2])
+        if i:
+            del self.aborted[:i]
 
     def copy(self) -> PartitionTxns:
         t = PartitionTxns(self.max_aborted)
@@ -360,7 +366,7 @@ class PartitionTxns:
                 "coordinator_epochs": {str(k): v for k, v in self.coordinator_epochs.items()}}
 
     @classmethod
-    def from_json(cls, d: dict | None, max_aborted: int = 10_000) -> PartitionTxns:
+    def from_json(cls, d: dict | None, max_aborted: int = 5_000) -> PartitionTxns:
         t = cls(max_aborted)
         if d:
             t.ongoing = {int(k): int(v) for k, v in d.get("ongoing", {}).items()}
@@ -373,12 +379,14 @@ class PartitionTxns:
 @dataclass(frozen=True)
 class TxnConfig:
     max_timeout_ms: int = 900_000  # transaction.max.timeout.ms
-    sweep_interval_s: float = 1.0  # how often expired / unfinished transactions are looked for
+    sweep_interval_s: float = 1.0  # how often this coordinator's transactions are checked for timeouts
+    orphan_scan_interval_s: float = 5.0  # how often every id in the store is (ids whose coordinator died)
     end_txn_wait_s: float = 10.0  # EndTxn answers after the markers, or after this long anyway
     marker_retry_max_s: float = 1.0
 
     def __post_init__(self):
-        if self.max_timeout_ms < 1 or self.sweep_interval_s <= 0 or self.end_txn_wait_s <= 0:
+        if (self.max_timeout_ms < 1 or self.sweep_interval_s <= 0 or self.end_txn_wait_s <= 0
+                or self.orphan_scan_interval_s < self.sweep_interval_s):
             raise ValueError(f"invalid transaction config {self}")
 
 
@@ -844,6 +852,9 @@ class TransactionCoordinator:
         cur = self._txns.get(txn_id)
         if cur is None or cur.meta is None:
             return
+        if not self.broker.ownership.owns(coordinator_key_of(txn_id)):  # moved: our copy may be stale
+            self._txns.pop(txn_id, None)
+            return
         meta = cur.meta
         if producer_id != meta.producer_id:
             raise InvalidProducerIdMapping(f"transactional id {txn_id!r} has producer id {meta.producer_id}")
@@ -855,25 +866,38 @@ class TransactionCoordinator:
 
     # ------------------------------------------------------------ timeouts and fail-over
     async def _sweep_loop(self) -> None:
+        last_scan = 0.0
+        loop = asyncio.get_running_loop()
         while not self._closed:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
-                await self.sweep()
+                everything = loop.time() - last_scan >= self.config.orphan_scan_interval_s
+                if everything:
+                    last_scan = loop.time()
+                await self.sweep(everything)
             except Exception as exc:
                 log.warning("transaction sweep failed: %r", exc)
 
-    async def sweep(self) -> None:
-        """Abort expired transactions and finish Prepare* ones, for the ids this listener
-        coordinates (claiming those whose coordinator is gone, as the preferred listener)."""
+    async def sweep(self, everything: bool = True) -> None:
+        """Abort expired transactions and finish Prepare* ones: of the ids this listener has
+        loaded, and (``everything``) of every id in the store, claiming those whose coordinator is
+        gone when this listener is the preferred one."""
         now = self._now_ms()
-        for key, v in await self.store.list_prefix(TXN_PREFIX):
-            try:
-                meta = TxnMeta.decode(v.value)
-            except (ValueError, KeyError, TypeError):
-                continue
+        if everything:
+            candidates = []
+            for key, v in await self.store.list_prefix(TXN_PREFIX):
+                try:
+                    candidates.append((unquote(key[len(TXN_PREFIX):]), TxnMeta.decode(v.value)))
+                except (ValueError, KeyError, TypeError):
+                    continue
+        else:
+            candidates = [(t, x.meta) for t, x in list(self._txns.items()) if x.meta is not None]
+        for txn_id, meta in candidates:
             if not (meta.preparing or meta.expired(now)):
                 continue
-            txn_id = unquote(key[len(TXN_PREFIX):])
+            if meta.preparing and (x := self._txns.get(txn_id)) is not None and x.finishing is not None \
+                    and not x.finishing.done():
+                continue  # being finished here already
             try:
                 loaded = await self._load(txn_id)
             except NotCoordinator:
@@ -898,6 +922,12 @@ class TransactionCoordinator:
             log.info("%s txn=%s: %s", what, txn_id, exc)
         else:
             log.warning("%s txn=%s: %r", what, txn_id, exc)
+
+
+def coordinator_key_of(txn_id: str) -> str:
+    from .ownership import coordinator_key
+
+    return coordinator_key(1, txn_id)
 
 
 def partition_key_of(topic: str, index: int) -> str:
