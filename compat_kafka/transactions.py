@@ -103,6 +103,8 @@ API_ADD_OFFSETS_TO_TXN = 25
 API_END_TXN = 26
 API_WRITE_TXN_MARKERS = 27
 API_TXN_OFFSET_COMMIT = 28
+API_DESCRIBE_TRANSACTIONS = 65
+API_LIST_TRANSACTIONS = 66
 
 
 # ---------------------------------------------------------------- errors
@@ -423,6 +425,8 @@ class TransactionCoordinator:
             API_END_TXN: self.end_txn,
             API_WRITE_TXN_MARKERS: self.write_txn_markers,
             API_TXN_OFFSET_COMMIT: self.txn_offset_commit,
+            API_DESCRIBE_TRANSACTIONS: self.describe_transactions,
+            API_LIST_TRANSACTIONS: self.list_transactions,
         }
 
     def start(self) -> None:
@@ -863,6 +867,87 @@ class TransactionCoordinator:
         if meta.state != ONGOING or (topic, index) not in meta.partitions:
             raise InvalidTxnState(f"transactional id {txn_id!r}: {topic} partition {index} is not in an ongoing "
                                   "transaction (AddPartitionsToTxn first)")
+
+    # ------------------------------------------------------------ DescribeTransactions / ListTransactions
+    async def describe_transactions(self, req, resp_cls):
+        import datetime
+
+        state_cls = nested(resp_cls, "TransactionState")
+        topic_cls = nested(resp_cls, "TopicData")
+        out = []
+        for txn_id in req.transactional_ids:
+            meta, code = None, ErrorCode.none
+            try:
+                loaded = await self._load(txn_id)
+                meta = loaded.meta
+                if meta is None:
+                    self._txns.pop(txn_id, None)
+                    code = ErrorCode.transactional_id_not_found
+            except Exception as exc:
+                self._log("describe_transactions", txn_id, exc)
+                code = code_for(exc)
+            topics: dict[str, list[int]] = {}
+            for t, p in sorted(meta.partitions if meta else ()):
+                topics.setdefault(t, []).append(p)
+            # as Kafka: -1 when no transaction began, the schema's default 0 for an error
+            start = 0 if meta is None else meta.start_ms if meta.state != EMPTY else -1
+            out.append(build(
+                state_cls, error_code=code, transactional_id=txn_id,
+                transaction_state=meta.state if meta else "", producer_id=meta.producer_id if meta else -1,
+                producer_epoch=meta.epoch if meta else -1,
+                transaction_timeout=datetime.timedelta(milliseconds=meta.timeout_ms if meta else 0),
+                transaction_start_time=datetime.datetime.fromtimestamp(start / 1000, datetime.UTC),
+                topics=tuple(build(topic_cls, topic=t, partitions=tuple(ps)) for t, ps in topics.items())))
+        return build(resp_cls, throttle_time=ZERO_MS, transaction_states=tuple(out))
+
+    async def list_transactions(self, req, resp_cls):
+        """The transactions this listener coordinates (the holder of the id's coordinator key, or
+        the preferred listener when none holds it), as a Kafka broker lists those of its
+        transaction-log partitions; clients ask every broker and merge."""
+        import re
+
+        from .ownership import TXN_COORDINATORS
+
+        state_cls = nested(resp_cls, "TransactionState")
+        wanted = set(req.state_filters)
+        unknown = tuple(sorted(wanted - set(STATES)))
+        pids = set(req.producer_id_filters)
+        min_ms = getattr(req, "duration_filter", -1)
+        pattern = getattr(req, "transactional_id_pattern", None)
+        now = self._now_ms()
+        try:
+            regex = re.compile(pattern) if pattern else None
+            own = self.broker.ownership
+            live = await own.brokers(max_age_s=0.5)
+            holders = await own.owners(TXN_COORDINATORS)
+            out = []
+            for _key, v in await self.store.list_prefix(TXN_PREFIX):
+                try:
+                    meta = TxnMeta.decode(v.value)
+                except (ValueError, KeyError, TypeError):
+                    continue
+                txn_id = meta.transactional_id
+                ckey = coordinator_key_of(txn_id)
+                node = own.owner_among(ckey, holders.get(ckey), live)
+                if node is not None and node.node_id != self.broker.node_id:
+                    continue
+                if wanted and meta.state not in wanted or pids and meta.producer_id not in pids:
+                    continue
+                if min_ms >= 0 and (meta.state == EMPTY or now - meta.start_ms < min_ms):
+                    continue
+                if regex is not None and not regex.fullmatch(txn_id):
+                    continue
+                out.append(build(state_cls, transactional_id=txn_id, producer_id=meta.producer_id,
+                                 transaction_state=meta.state))
+            code = ErrorCode.none
+        except re.error as exc:
+            log.info("list_transactions: bad pattern %r: %s", pattern, exc)
+            out, code = [], ErrorCode.invalid_request
+        except Exception as exc:
+            log.warning("list_transactions: %r", exc)
+            out, code = [], code_for(exc)
+        return build(resp_cls, throttle_time=ZERO_MS, error_code=code, unknown_state_filters=unknown,
+                     transaction_states=tuple(out))
 
     # ------------------------------------------------------------ timeouts and fail-over
     async def _sweep_loop(self) -> None:

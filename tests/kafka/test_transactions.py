@@ -377,6 +377,46 @@ def test_bad_transactional_requests_get_kafka_errors(shim, topic):
     assert [v for _, _, v in read_all(shim.bootstrap, topic, "read_committed")] == [b"x"]
 
 
+def test_describe_and_list_transactions(shim, topic):
+    from kio.schema.describe_transactions.v0 import DescribeTransactionsRequest
+    from kio.schema.errors import ErrorCode
+    from kio.schema.list_transactions.v1 import ListTransactionsRequest as List1
+    from kio.schema.list_transactions.v2 import ListTransactionsRequest as List2
+
+    from tests.kafka.shimproc import RawConnection
+
+    create_topic(shim.bootstrap, topic, 2)
+    txn_id = f"{topic}-txn"
+    p = txn_producer(shim.bootstrap, txn_id, **{"transaction.timeout.ms": 45_000})
+    p.begin_transaction()
+    p.produce(topic, b"x", partition=1)
+    p.flush(30)  # ongoing, with partition 1 added
+    with RawConnection(shim.port) as conn:
+        r = conn.call(DescribeTransactionsRequest(transactional_ids=(txn_id, "never-used")))
+        ongoing, unknown = r.transaction_states
+        assert (ongoing.error_code, ongoing.transaction_state) == (ErrorCode.none, "Ongoing")
+        assert ongoing.transaction_timeout.total_seconds() == 45
+        assert [(t.topic, t.partitions) for t in ongoing.topics] == [(topic, (1,))]
+        assert ongoing.transaction_start_time.timestamp() > time.time() - 60
+        assert unknown.error_code == ErrorCode.transactional_id_not_found
+
+        def listed(req) -> dict:
+            r = conn.call(req)
+            assert r.error_code == ErrorCode.none
+            return {t.transactional_id: (t.producer_id, t.transaction_state) for t in r.transaction_states}
+
+        everything = listed(List1(state_filters=(), producer_id_filters=()))
+        assert everything[txn_id] == (ongoing.producer_id, "Ongoing")
+        assert txn_id in listed(List1(state_filters=("Ongoing",), producer_id_filters=(ongoing.producer_id,)))
+        assert txn_id not in listed(List1(state_filters=("CompleteCommit",), producer_id_filters=()))
+        assert txn_id not in listed(List1(state_filters=(), producer_id_filters=(), duration_filter=600_000))
+        assert list(listed(List2(state_filters=(), producer_id_filters=(), transactional_id_pattern=f"{topic}-.*"))) \
+            == [txn_id]
+        r = conn.call(List1(state_filters=("Bogus",), producer_id_filters=()))
+        assert r.unknown_state_filters == ("Bogus",)
+    p.commit_transaction(30)
+
+
 # ---------------------------------------------------------------- the coordinator state machine
 def test_state_machine_commit_abort_and_retries():
     m = init_txn(None, "t", 60_000, 900_000, 0, new_producer_id=7)
