@@ -354,9 +354,9 @@ class Broker:
                     if req.acks not in (-1, 0, 1):
                         raise InvalidRequiredAcks(f"acks must be -1, 0 or 1, not {req.acks}")
                     batches = split_batches(p.records or b"")
-                    self._check_transactional(req.transactional_id, batches, t.name, p.index)
                     idempotent = idempotent or any(b.producer_id >= 0 for b in batches)
                     plog = await self.partition(t.name, p.index, write=True)
+                    await self._check_transactional(req.transactional_id, batches, plog)
                     base, futs = await plog.append(batches)
                     pending.append((t.name, p.index, base, futs, plog))
                 except Exception as exc:
@@ -382,16 +382,17 @@ class Broker:
         return build(resp_cls, throttle_time=ZERO_MS, responses=tuple(
             topic_resp_cls(name=n, partition_responses=tuple(ps)) for n, ps in by_topic.items()))
 
-    def _check_transactional(self, txn_id: str | None, batches, topic: str, index: int) -> None:
-        """Transactional batches need the request's transactional id and, when this listener
-        coordinates it, the current producer and a partition added to its ongoing transaction."""
+    async def _check_transactional(self, txn_id: str | None, batches, plog: PartitionLog) -> None:
+        """Transactional batches need the request's transactional id, the current producer and a
+        partition added to its ongoing transaction (``TransactionCoordinator.check_produce``)."""
         txn = [b for b in batches if b.transactional]
         if not txn:
             return
         if txn_id is None:
             raise InvalidRequest("transactional record batches in a produce request without a transactional id")
         for b in txn:
-            self.txn.check_produce(txn_id, b.producer_id, b.producer_epoch, topic, index)
+            await self.txn.check_produce(txn_id, b.producer_id, b.producer_epoch, plog.topic, plog.partition,
+                                         plog.txns.ongoing_at(b.producer_id, b.producer_epoch))
 
     async def _await_acks(self, futs, base: int, plog: PartitionLog, timeout_s: float):
         if not futs:

@@ -209,7 +209,7 @@ class PartitionLog:
                     last = increment_sequence(first, b.offset_count - 1)
                     state.record(pid, epoch, BatchRecord(first, last, b.base_offset, b.offset_count))
                     if attrs & ATTR_TRANSACTIONAL:
-                        txns.on_batch(pid, b.base_offset)
+                        txns.on_batch(pid, b.base_offset, epoch)
         txns.trim(self.log_start)
         self.acked_state = state
         self.live_state = state.copy()
@@ -349,7 +349,7 @@ class PartitionLog:
                 self.acked_state.record(batch.producer_id, batch.producer_epoch, BatchRecord(
                     batch.base_sequence, batch.last_sequence, base, count))
                 if batch.transactional:
-                    self.txns.on_batch(batch.producer_id, base)
+                    self.txns.on_batch(batch.producer_id, base, batch.producer_epoch)
             self.on_append()
 
         return done

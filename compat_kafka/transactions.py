@@ -325,15 +325,23 @@ class PartitionTxns:
     def __init__(self, max_aborted: int = 5_000):
         self.max_aborted = max_aborted
         self.ongoing: dict[int, int] = {}  # producer id -> first offset of its ongoing transaction
+        self.ongoing_epochs: dict[int, int] = {}  # producer id -> its epoch then (not persisted: -1 after a rebuild)
         self.aborted: list[tuple[int, int, int]] = []  # (producer id, first offset, marker offset)
         self.coordinator_epochs: dict[int, int] = {}  # producer id -> coordinator epoch of its last marker
 
-    def on_batch(self, producer_id: int, base_offset: int) -> None:
+    def on_batch(self, producer_id: int, base_offset: int, epoch: int = -1) -> None:
         """A transactional data batch was stored."""
-        self.ongoing.setdefault(producer_id, base_offset)
+        if producer_id not in self.ongoing:
+            self.ongoing[producer_id] = base_offset
+            self.ongoing_epochs[producer_id] = epoch
+
+    def ongoing_at(self, producer_id: int, epoch: int) -> bool:
+        """Whether the producer, at this epoch, has a transaction open here (its batches acknowledged)."""
+        return producer_id in self.ongoing and self.ongoing_epochs.get(producer_id) == epoch
 
     def on_marker(self, producer_id: int, offset: int, commit: bool, coordinator_epoch: int) -> None:
         first = self.ongoing.pop(producer_id, None)
+        self.ongoing_epochs.pop(producer_id, None)
         if not commit and first is not None:
             self.aborted.append((producer_id, first, offset))
             if len(self.aborted) > self.max_aborted:
@@ -359,6 +367,7 @@ class PartitionTxns:
     def copy(self) -> PartitionTxns:
         t = PartitionTxns(self.max_aborted)
         t.ongoing = dict(self.ongoing)
+        t.ongoing_epochs = dict(self.ongoing_epochs)
         t.aborted = list(self.aborted)
         t.coordinator_epochs = dict(self.coordinator_epochs)
         return t
@@ -849,17 +858,30 @@ class TransactionCoordinator:
         raise ConcurrentTransactions(f"transactional id {txn_id!r} kept changing")
 
     # ------------------------------------------------------------ produce checks
-    def check_produce(self, txn_id: str, producer_id: int, epoch: int, topic: str, index: int) -> None:
-        """A transactional produce, when this listener coordinates ``txn_id``: the producer must be
-        the current one and the partition in its ongoing transaction. (When another listener
-        coordinates it, the partition's producer epoch check is what fences zombies.)"""
+    async def check_produce(self, txn_id: str, producer_id: int, epoch: int, topic: str, index: int,
+                            ongoing_here: bool) -> None:
+        """A transactional produce: the producer must be the current one of ``txn_id`` and the
+        partition in its ongoing transaction (else INVALID_PRODUCER_ID_MAPPING /
+        INVALID_PRODUCER_EPOCH / INVALID_TXN_STATE). Checked from memory when this listener
+        coordinates the id; otherwise from the id's durable state in the metadata store, once per
+        transaction and partition (``ongoing_here``: the producer has a transaction open on the
+        partition already, nothing to check). AddPartitionsToTxn writes the partition there before
+        it answers, so a batch arriving after its transaction ended cannot open a transaction the
+        coordinator would never close (a "hanging" one holding the LSO back; KIP-890 does this in
+        Kafka by asking the coordinator)."""
         cur = self._txns.get(txn_id)
-        if cur is None or cur.meta is None:
+        if cur is not None and cur.meta is not None and not self.broker.ownership.owns(coordinator_key_of(txn_id)):
+            self._txns.pop(txn_id, None)  # moved: our copy may be stale
+            cur = None
+        if cur is not None and cur.meta is not None:
+            meta = cur.meta
+        elif ongoing_here:
             return
-        if not self.broker.ownership.owns(coordinator_key_of(txn_id)):  # moved: our copy may be stale
-            self._txns.pop(txn_id, None)
-            return
-        meta = cur.meta
+        else:
+            got = await self.store.get(txn_key(txn_id))
+            if got is None:
+                raise InvalidProducerIdMapping(f"transactional id {txn_id!r} is unknown")
+            meta = TxnMeta.decode(got.value)
         if producer_id != meta.producer_id:
             raise InvalidProducerIdMapping(f"transactional id {txn_id!r} has producer id {meta.producer_id}")
         if epoch < meta.epoch:

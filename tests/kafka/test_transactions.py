@@ -595,6 +595,58 @@ def test_markers_reach_partitions_on_another_listener(listeners):
     assert len(got) == 2 * parts
 
 
+def test_a_listener_that_does_not_coordinate_the_id_still_refuses_batches_outside_the_transaction(listeners):
+    """Raw protocol: the partition's owner is not the transaction's coordinator; it checks the id's
+    durable state, so a batch for a partition not added, or arriving after the transaction ended,
+    is refused instead of opening a transaction nobody would close."""
+    import datetime
+
+    from kio.schema.add_partitions_to_txn import v3 as ap3
+    from kio.schema.end_txn.v3 import EndTxnRequest
+    from kio.schema.errors import ErrorCode
+    from kio.schema.init_producer_id.v4 import InitProducerIdRequest
+    from kio.schema.produce.v9 import ProduceRequest
+    from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
+
+    from tests.kafka.shimproc import RawConnection
+
+    bootstrap = ",".join(s.bootstrap for s in listeners)
+    topic, txn_id = "remote-check", "remote-check-txn"
+    create_topic(bootstrap, topic, 4)
+    coordinator = _txn_coordinator(listeners[0].port, txn_id)
+    coord = next(s for s in listeners if s.node_id() == coordinator)
+    other = next(s for s in listeners if s is not coord)
+    md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10)
+    part = next(p.id for p in md.topics[topic].partitions.values() if p.leader != coordinator)
+
+    with RawConnection(coord.port) as c, RawConnection(other.port) as o:
+        r = c.call(InitProducerIdRequest(transactional_id=txn_id, transaction_timeout=datetime.timedelta(seconds=60),
+                                         producer_id=-1, producer_epoch=-1))
+        pid, epoch = r.producer_id, r.producer_epoch
+
+        def produce(value: bytes, seq: int):
+            r = o.call(ProduceRequest(transactional_id=txn_id, acks=-1, timeout=datetime.timedelta(seconds=10),
+                                      topic_data=(TopicProduceData(name=topic, partition_data=(PartitionProduceData(
+                                          index=part, records=_txn_batch([value], pid, epoch, seq)),)),)))
+            return r.responses[0].partition_responses[0].error_code
+
+        assert produce(b"early", 0) == ErrorCode.invalid_txn_state  # not added
+        r = c.call(ap3.AddPartitionsToTxnRequest(
+            v3_and_below_transactional_id=txn_id, v3_and_below_producer_id=pid, v3_and_below_producer_epoch=epoch,
+            v3_and_below_topics=(ap3.request.AddPartitionsToTxnTopic(name=topic, partitions=(part,)),)))
+        assert r.results_by_topic_v3_and_below[0].results_by_partition[0].partition_error_code == ErrorCode.none
+        assert produce(b"in", 0) == ErrorCode.none
+        assert produce(b"in-too", 1) == ErrorCode.none
+        assert c.call(EndTxnRequest(transactional_id=txn_id, producer_id=pid, producer_epoch=epoch,
+                                    committed=True)).error_code == ErrorCode.none
+        assert produce(b"late", 2) == ErrorCode.invalid_txn_state  # the transaction is over
+    got = read_all(bootstrap, topic, "read_committed", 4)
+    assert [v for _, _, v in got] == [b"in", b"in-too"]
+    c = consumer(bootstrap, "read_committed")
+    assert c.get_watermark_offsets(TopicPartition(topic, part), timeout=10, cached=False) == (0, 3)  # no hang
+    c.close()
+
+
 def test_consume_transform_produce_is_exactly_once_across_a_listener_sigkill(listeners):
     """Two listeners (real processes); the loop reads ``in`` read_committed, writes ``out`` and
     commits its input offsets in the same transaction; the listener coordinating the transaction is
