@@ -40,7 +40,7 @@ CONCURRENT_TRANSACTIONS, which clients retry).
 
 Offsets in a transaction (``send_offsets_to_transaction``): AddOffsetsToTxn adds the group to the
 transaction; TxnOffsetCommit, served by the group's coordinator, keeps the offsets pending in
-``kafka/txn-offsets/<transactional id>/<group>`` (written only if the transaction's key is still at
+``kafka/txn-offsets/<group>/<transactional id>`` (written only if the transaction's key is still at
 the version that showed it ongoing with that producer id/epoch and group). At commit the
 transaction coordinator moves them into the group's committed offsets (``groups.OffsetStore``) and
 deletes the key; at abort it deletes the key. Both are idempotent, so a retry after a fail-over is
@@ -386,6 +386,28 @@ class PartitionTxns:
         return t
 
 
+async def pending_offsets(store, group: str) -> set[tuple[str, int]]:
+    """The partitions with offsets of ``group`` pending in an open transaction."""
+    out = set()
+    for _, v in await store.list_prefix(f"{TXN_OFFSETS_PREFIX}{quote(group, safe='')}/"):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            out |= {(t, int(p)) for t, parts in json.loads(v.value)["offsets"].items() for p in parts}
+    return out
+
+
+async def mark_unstable(store, group: str, topics: tuple, topic_cls, part_cls) -> tuple:
+    """OffsetFetch with ``require_stable`` (KIP-447): partitions whose offsets are pending in an
+    open transaction answer UNSTABLE_OFFSET_COMMIT (the client retries until the transaction
+    ends) instead of an offset that is about to change."""
+    pending = await pending_offsets(store, group)
+    if not pending:
+        return topics
+    return tuple(topic_cls(name=t.name, partitions=tuple(
+        build(part_cls, partition_index=p.partition_index, committed_offset=-1, committed_leader_epoch=-1,
+              metadata="", error_code=ErrorCode.unstable_offset_commit)
+        if (t.name, p.partition_index) in pending else p for p in t.partitions)) for t in topics)
+
+
 # ---------------------------------------------------------------- the coordinator (asyncio)
 @dataclass(frozen=True)
 class TxnConfig:
@@ -406,7 +428,7 @@ def txn_key(txn_id: str) -> str:
 
 
 def txn_offsets_key(txn_id: str, group: str) -> str:
-    return f"{TXN_OFFSETS_PREFIX}{quote(txn_id, safe='')}/{quote(group, safe='')}"
+    return f"{TXN_OFFSETS_PREFIX}{quote(group, safe='')}/{quote(txn_id, safe='')}"
 
 
 @dataclass

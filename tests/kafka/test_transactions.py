@@ -300,9 +300,15 @@ def test_offsets_sent_to_a_transaction_are_committed_with_it(shim, topic):
 
     p.begin_transaction()
     p.send_offsets_to_transaction(tp, c.consumer_group_metadata(), 30)
-    assert c.committed([TopicPartition(topic, 0)], timeout=10)[0].offset < 0  # pending until the commit
+    loose = Consumer({"bootstrap.servers": shim.bootstrap, "group.id": group, "isolation.level": "read_uncommitted"})
+    assert loose.committed([TopicPartition(topic, 0)], timeout=10)[0].offset < 0  # pending until the commit
+    with pytest.raises(KafkaException) as ei:  # read_committed asks for stable offsets (KIP-447): it waits
+        c.committed([TopicPartition(topic, 0)], timeout=1)
+    assert ei.value.args[0].name() == "_TIMED_OUT"
     p.commit_transaction(30)
     assert c.committed([TopicPartition(topic, 0)], timeout=10)[0].offset == 2
+    assert loose.committed([TopicPartition(topic, 0)], timeout=10)[0].offset == 2
+    loose.close()
     c.close()
 
 
