@@ -138,6 +138,14 @@ class NotCoordinator(KafkaError):
     retriable = True
 
 
+class GroupMembershipError(KafkaError):
+    """TxnOffsetCommit from a member the group does not know at that generation (KIP-447)."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 def fenced_code(api_key: int, version: int) -> ErrorCode:
     """KIP-588: PRODUCER_FENCED from these versions on, INVALID_PRODUCER_EPOCH before."""
     first = {codec.API_INIT_PRODUCER_ID: 4, API_ADD_PARTITIONS_TO_TXN: 2, API_ADD_OFFSETS_TO_TXN: 2,
@@ -852,6 +860,18 @@ class TransactionCoordinator:
             raise InvalidRequest("an empty group id")
         if not await self.broker.is_coordinator(0, group):
             raise NotCoordinator(f"group {group!r} is coordinated by another listener")
+        if hasattr(req, "generation_id"):  # v3+ (KIP-447): the member must be in the group's generation
+            groups = self.broker.groups
+            g = groups.groups.get(group)
+            if g is not None:
+                code = g.check_commit(groups._now(), member_id=req.member_id, generation=req.generation_id,
+                                      instance_id=req.group_instance_id)
+                if code != ErrorCode.none:
+                    raise GroupMembershipError(code, f"group {group!r}: member {req.member_id!r} generation "
+                                                     f"{req.generation_id}: {code.name}")
+            elif req.generation_id >= 0:
+                raise GroupMembershipError(ErrorCode.illegal_generation,
+                                           f"group {group!r} has no generation {req.generation_id} here")
         now = self._now_ms()
         for _ in range(5):
             got = await self.store.get(txn_key(txn_id))

@@ -312,6 +312,55 @@ def test_offsets_sent_to_a_transaction_are_committed_with_it(shim, topic):
     c.close()
 
 
+def test_offsets_of_a_group_member_are_checked_against_its_generation(shim, topic):
+    """KIP-447: a subscribed consumer's group metadata (member id, generation) goes with the offsets;
+    TxnOffsetCommit from a member the group does not know is refused."""
+    import datetime
+
+    from kio.schema.add_offsets_to_txn.v3 import AddOffsetsToTxnRequest
+    from kio.schema.errors import ErrorCode
+    from kio.schema.init_producer_id.v4 import InitProducerIdRequest
+    from kio.schema.txn_offset_commit import v3 as toc
+
+    from tests.kafka.shimproc import RawConnection
+
+    create_topic(shim.bootstrap, topic)
+    group = f"{topic}-group"
+    src = Producer({"bootstrap.servers": shim.bootstrap})
+    src.produce(topic, b"in")
+    assert src.flush(30) == 0
+    c = Consumer({"bootstrap.servers": shim.bootstrap, "group.id": group, "enable.auto.commit": False,
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([topic])
+    read_until(c, lambda got: len(got) == 1)  # a member of the group's current generation
+    p = txn_producer(shim.bootstrap, f"{topic}-txn")
+    p.begin_transaction()
+    p.send_offsets_to_transaction([TopicPartition(topic, 0, 1)], c.consumer_group_metadata(), 30)
+    p.commit_transaction(30)
+    assert c.committed([TopicPartition(topic, 0)], timeout=10)[0].offset == 1
+
+    with RawConnection(shim.port) as conn:
+        r = conn.call(InitProducerIdRequest(transactional_id=f"{topic}-raw", producer_id=-1, producer_epoch=-1,
+                                            transaction_timeout=datetime.timedelta(seconds=60)))
+        pid, epoch = r.producer_id, r.producer_epoch
+        assert conn.call(AddOffsetsToTxnRequest(transactional_id=f"{topic}-raw", producer_id=pid,
+                                                producer_epoch=epoch, group_id=group)).error_code == ErrorCode.none
+
+        def commit(member_id: str, generation: int):
+            r = conn.call(toc.TxnOffsetCommitRequest(
+                transactional_id=f"{topic}-raw", group_id=group, producer_id=pid, producer_epoch=epoch,
+                generation_id=generation, member_id=member_id, group_instance_id=None,
+                topics=(toc.request.TxnOffsetCommitRequestTopic(name=topic, partitions=(
+                    toc.request.TxnOffsetCommitRequestPartition(partition_index=0, committed_offset=0,
+                                                                committed_leader_epoch=-1,
+                                                                committed_metadata=None),)),)))
+            return r.topics[0].partitions[0].error_code
+
+        assert commit("not-a-member", 1) == ErrorCode.unknown_member_id
+        assert commit("", -1) == ErrorCode.unknown_member_id  # the group is managed: no anonymous commits
+    c.close()
+
+
 def test_bad_transactional_requests_get_kafka_errors(shim, topic):
     """Raw protocol: each misuse gets the error code a Kafka broker answers."""
     import datetime
