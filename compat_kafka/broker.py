@@ -167,6 +167,7 @@ class Broker:
         logs, self._logs = list(self._logs.values()), {}
         for p in logs:
             asyncio.ensure_future(p.close())
+        self.txn.forget()  # transactional ids may have moved too: load them again when claimed
 
     async def close(self) -> None:
         logs, self._logs = list(self._logs.values()), {}

@@ -481,6 +481,11 @@ class TransactionCoordinator:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
+    def forget(self) -> None:
+        """Drop every loaded id (our lease lapsed): the next request loads it again if it is still
+        ours. Tasks finishing transactions go on; their writes fail if the id moved."""
+        self._txns = {}
+
     @staticmethod
     def _now_ms() -> int:
         return int(time.time() * 1000)
