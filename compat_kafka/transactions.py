@@ -31,12 +31,22 @@ control record batches (``control_batch``) appended to every partition of the tr
 listener for the partitions it owns, by WriteTxnMarkers (API 27) to the owner for the others. A
 marker that fails is retried (back-off up to 1 s) until it is written; the state stays Prepare* in
 the metadata store meanwhile, so a listener that takes the id over after a fail-over finishes the
-job (``_sweep`` finds Prepare* and expired Ongoing transactions whose coordinator is gone). EndTxn
-is answered once the markers (and the transaction's offsets) are written — so a read_committed
-consumer sees the outcome once the client's commit returns — or after ``end_txn_wait_s`` with
-success anyway (the decision is durable); Complete* is written after the answer. A request for the
-id while it is being completed waits for that (up to ``end_txn_wait_s``, then
-CONCURRENT_TRANSACTIONS, which clients retry).
+job (``sweep`` finds Prepare* and expired Ongoing transactions; every listener checks the ids it
+has loaded every ``sweep_interval_s`` and all ids every ``orphan_scan_interval_s``, claiming those
+whose coordinator is gone). EndTxn is answered once the markers (and the transaction's offsets) are
+written — so a read_committed consumer sees the outcome once the client's commit returns — or after
+``end_txn_wait_s`` with success anyway (the decision is durable). Complete* is written after the
+answer, or, when the producer's next request comes first, completed in memory and made durable by
+that request's own compare-and-set (one metadata write less per transaction; a coordinator that
+took over and finds Prepare* writes the markers again, which is harmless: a marker with no open
+transaction at a partition changes nothing). A request arriving while markers are still being
+written waits for them (up to ``end_txn_wait_s``, then CONCURRENT_TRANSACTIONS, which clients
+retry).
+
+Produce (``check_produce``): a transactional batch must come from the id's current producer for a
+partition added to its ongoing transaction — from memory on the coordinator, else from the id's key
+in the store for a transaction's first batch on a partition — so a late batch cannot open a
+transaction no coordinator would close.
 
 Offsets in a transaction (``send_offsets_to_transaction``): AddOffsetsToTxn adds the group to the
 transaction; TxnOffsetCommit, served by the group's coordinator, keeps the offsets pending in
@@ -44,7 +54,9 @@ transaction; TxnOffsetCommit, served by the group's coordinator, keeps the offse
 the version that showed it ongoing with that producer id/epoch and group). At commit the
 transaction coordinator moves them into the group's committed offsets (``groups.OffsetStore``) and
 deletes the key; at abort it deletes the key. Both are idempotent, so a retry after a fail-over is
-safe.
+safe. TxnOffsetCommit v3+ checks the member and generation as OffsetCommit does (KIP-447), and
+OffsetFetch with ``require_stable`` answers UNSTABLE_OFFSET_COMMIT for partitions with pending
+offsets (``mark_unstable``).
 
 ``PartitionTxns`` is the transaction index of one partition, kept by ``PartitionLog`` for the
 *acknowledged* batches (it is exact below the high watermark): per producer id the first offset of
