@@ -790,6 +790,62 @@ def test_consume_transform_produce_is_exactly_once_across_a_listener_sigkill(lis
         assert [v for pt, _, v in got if pt == part] == [b"out-p%d-%d" % (part, k) for k in range(per_part)]
 
 
+def test_a_commit_prepared_by_a_killed_coordinator_is_finished_by_the_next(eos_cluster, listeners, tmp_path):
+    """The coordinator writes PrepareCommit and is SIGKILLed before its marker reaches the
+    partition (whose owner is SIGSTOPped meanwhile): the listener that takes the id over loads the
+    durable PrepareCommit, writes the marker, and the client's commit completes. (Runs after the
+    exactly-once test: a fresh listener joins its survivor.)"""
+    import signal
+    import threading
+
+    from tests.kafka.shimproc import ShimProcess
+
+    fresh = ShimProcess(eos_cluster.metadata_url, tmp_path, lease_ttl_s=2.0)
+    fresh.start_and_wait()
+    try:
+        live = [s for s in listeners if s.alive] + [fresh]
+        assert len(live) == 2
+        bootstrap = ",".join(s.bootstrap for s in live)
+        topic = "prepared"
+        create_topic(bootstrap, topic, 16)  # some partitions on each listener
+        txn_id = next(f"prepared-{i}" for i in range(100)
+                      if _txn_coordinator(live[0].port, f"prepared-{i}") == live[0].node_id())
+        coord, owner = live[0], live[1]
+        md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10)
+        part = next(p.id for p in md.topics[topic].partitions.values() if p.leader == owner.node_id())
+        p = txn_producer(bootstrap, txn_id, **{"transaction.timeout.ms": 60_000})
+        p.begin_transaction()
+        p.produce(topic, b"prepared", partition=part)
+        p.flush(30)
+        owner.signal(signal.SIGSTOP)
+        result: list = []
+        committer = threading.Thread(target=lambda: result.append(_commit_or_error(p)))
+        committer.start()
+        deadline = time.monotonic() + 30
+        while f"txn={txn_id} producer" not in coord.log_text() or "PrepareCommit" not in coord.log_text():
+            assert time.monotonic() < deadline, "no PrepareCommit"
+            time.sleep(0.05)
+        coord.kill()  # PrepareCommit is durable; the marker is not written
+        owner.signal(signal.SIGCONT)
+        committer.join(90)
+        assert result == [None], result
+        assert f"txn={txn_id} loaded" in owner.log_text() and "state PrepareCommit" in owner.log_text()
+        got = read_all(owner.bootstrap, topic, "read_committed", 16)
+        assert [v for _, _, v in got] == [b"prepared"]
+    finally:
+        for s in [fresh, *listeners]:
+            s.signal(signal.SIGCONT)
+        fresh.stop()
+
+
+def _commit_or_error(p):
+    try:
+        p.commit_transaction(90)
+        return None
+    except KafkaException as exc:
+        return exc.args[0]
+
+
 # ---------------------------------------------------------------- the index rebuilt on open
 def test_partition_transaction_index_is_rebuilt_on_take_over_and_read_only_open(kafka_cluster):
     """Ongoing transactions, aborted ranges and marker coordinator epochs survive a take-over:
