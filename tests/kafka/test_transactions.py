@@ -153,6 +153,62 @@ def test_commit_and_abort_as_read_committed_and_read_uncommitted_consumers_see_t
         (o, v) for _, o, v in uncommitted]
 
 
+def test_aiokafka_transactions_and_read_committed(shim, topic):
+    """aiokafka's transactional producer and read_committed consumer (older API versions:
+    InitProducerId, AddPartitionsToTxn, EndTxn, TxnOffsetCommit and Fetch as aiokafka speaks them)."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka import TopicPartition as AioTP
+
+    create_topic(shim.bootstrap, topic)
+    group = f"{topic}-group"
+
+    async def go():
+        p = AIOKafkaProducer(bootstrap_servers=shim.bootstrap, transactional_id=f"{topic}-txn")
+        await p.start()
+        try:
+            async with p.transaction():
+                await p.send_and_wait(topic, b"kept")
+            await p.begin_transaction()
+            await p.send_and_wait(topic, b"dropped")
+            await p.abort_transaction()
+            async with p.transaction():
+                await p.send_and_wait(topic, b"kept-too")
+                await p.send_offsets_to_transaction({AioTP(topic, 0): 3}, group)
+        finally:
+            await p.stop()
+        out = {}
+        for isolation in ("read_committed", "read_uncommitted"):
+            c = AIOKafkaConsumer(bootstrap_servers=shim.bootstrap, isolation_level=isolation,
+                                 enable_auto_commit=False, auto_offset_reset="earliest")
+            await c.start()
+            try:
+                tp = AioTP(topic, 0)
+                c.assign([tp])
+                await c.seek_to_beginning(tp)
+                end = (await c.end_offsets([tp]))[tp]  # the LSO for read_committed
+                got = []
+                deadline = time.monotonic() + 20
+                while await c.position(tp) < end:
+                    assert time.monotonic() < deadline, got
+                    for msgs in (await c.getmany(tp, timeout_ms=200)).values():
+                        got += [(m.offset, m.value) for m in msgs]
+                out[isolation] = got
+            finally:
+                await c.stop()
+        c = AIOKafkaConsumer(bootstrap_servers=shim.bootstrap, group_id=group, enable_auto_commit=False)
+        await c.start()
+        try:
+            out["committed"] = await c.committed(AioTP(topic, 0))
+        finally:
+            await c.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert out["read_committed"] == [(0, b"kept"), (4, b"kept-too")]
+    assert out["read_uncommitted"] == [(0, b"kept"), (2, b"dropped"), (4, b"kept-too")]
+    assert out["committed"] == 3
+
+
 def test_a_read_committed_consumer_waits_for_the_commit(shim, topic):
     create_topic(shim.bootstrap, topic)
     plain = Producer({"bootstrap.servers": shim.bootstrap, "enable.idempotence": True})
