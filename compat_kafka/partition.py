@@ -29,6 +29,15 @@ offsets of its own:
   no patching. An entry that is not a record batch is refused (``RecordFormatError``, answered as
   CORRUPT_MESSAGE) rather than served.
 
+Transactions (``compat_kafka.transactions``). The partition keeps a transaction index of its
+acknowledged batches (``PartitionTxns``): each producer's open transaction (first offset), the
+aborted ranges, and the coordinator epoch of each producer's last marker. The last stable offset is
+the first offset of the earliest open transaction, else the high watermark; read_committed fetches
+stop there. Markers (``append_marker``) are control batches appended like any batch (one offset
+each); they raise the producer's epoch here, so an older epoch is fenced. The index is saved in the
+producer-state snapshot and rebuilt by the same scan on open; a partition served read-only builds
+it on its first read_committed fetch (``ensure_txns``).
+
 Idempotent producers (``compat_kafka.producer_ids``). Batches carrying a producer id are checked
 against the partition's producer state before they are queued; a retry of a stored batch is
 answered with its original base offset and not stored again. The state must survive a take-over,
@@ -219,12 +228,16 @@ class PartitionLog:
         return max(0, lac - start + 1)
 
     async def ensure_txns(self) -> None:
-        """Read-only: build the transaction index once (the snapshot and a scan up to the LAC seen),
-        for read_committed fetches. Transactional data and markers are only written through a
-        writable partition, which builds its own on open."""
+        """Read-only: build the transaction index once (the snapshot and a scan after it up to the
+        LAC seen), for read_committed fetches (librdkafka's default). Transactional data and markers
+        are only written through a writable partition, which builds its own on open and snapshots
+        it; a stream without a snapshot was never written by a listener (a Python producer's, say:
+        no transactions), so it is not scanned."""
         if self._txns_built:
             return
         async with self._lock:
+            if not self._txns_built and await self.store.get(self._snapshot_key) is None:
+                self._txns_built = True
             if not self._txns_built:
                 states = (self.live_state, self.acked_state)
                 await self._rebuild_producer_state(self._last_entry)
