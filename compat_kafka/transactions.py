@@ -880,7 +880,15 @@ class TransactionCoordinator:
         if hasattr(req, "generation_id"):  # v3+ (KIP-447): the member must be in the group's generation
             groups = self.broker.groups
             g = groups.groups.get(group)
-            if g is not None:
+            # a KIP-848 consumer group (``consumer_groups`` on main since the groups merge): the
+            # generation is its member epoch, checked as OffsetCommit v9 does
+            cg = getattr(groups, "consumer_groups", {}).get(group)
+            if cg is not None and (cg.members or req.generation_id >= 0):
+                code = cg.check_commit(req.member_id, req.generation_id, 9)
+                if code != ErrorCode.none:
+                    raise GroupMembershipError(code, f"group {group!r}: member {req.member_id!r} epoch "
+                                                     f"{req.generation_id}: {code.name}")
+            elif g is not None:
                 code = g.check_commit(groups._now(), member_id=req.member_id, generation=req.generation_id,
                                       instance_id=req.group_instance_id)
                 if code != ErrorCode.none:
