@@ -1,8 +1,9 @@
 """Checking the RecordBatches of a produce request before they are stored.
 
 A produce request carries a ``records`` blob of one or more RecordBatches (magic 2). Each batch is
-checked here (length, magic, CRC-32C over attributes..end, record count, no transactional or control
-batch, consistent idempotent-producer fields) and then stored as one stream entry through
+checked here (length, magic, CRC-32C over attributes..end, record count, no control batch — only
+the transaction coordinator writes those —, consistent idempotent-producer fields, a producer id on
+every transactional batch) and then stored as one stream entry through
 ``streams.producer.Producer.append_batch``, which writes the assigned base offset into the batch's
 baseOffset field (not covered by the CRC) — the one log format of every stream (``streams/batches.py``):
 an entry's payload *is* the RecordBatch. Compressed batches stay compressed; a Fetch serves the
@@ -30,7 +31,7 @@ from streams.batches import (
     producer_fields,
 )
 
-from .errors import CorruptMessage, InvalidRequest, UnsupportedForMessageFormat
+from .errors import CorruptMessage, InvalidRecord, InvalidRequest, UnsupportedForMessageFormat
 
 _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
@@ -45,6 +46,7 @@ class Batch:
     producer_id: int  # -1: not an idempotent batch
     producer_epoch: int = -1
     base_sequence: int = -1
+    transactional: bool = False
 
     @property
     def last_sequence(self) -> int:
@@ -82,13 +84,15 @@ def split_batches(records: bytes, max_batches: int = 10_000) -> list[Batch]:
             raise CorruptMessage(f"record batch at byte {pos}: {count} records, lastOffsetDelta {last_delta}")
         (max_ts,) = _I64.unpack_from(raw, OFF_MAX_TIMESTAMP)
         pid, epoch, seq = producer_fields(raw)
-        if raw[OFF_ATTRIBUTES + 1] & (ATTR_TRANSACTIONAL | ATTR_CONTROL):
-            raise InvalidRequest(f"record batch at byte {pos} is transactional or a control batch: "
-                                 "transactions are not supported")
-        if pid >= 0 and (epoch < 0 or seq < 0):
+        attrs = raw[OFF_ATTRIBUTES + 1]
+        if attrs & ATTR_CONTROL:
+            raise InvalidRecord(f"record batch at byte {pos} is a control batch: only the transaction "
+                                "coordinator writes those")
+        transactional = bool(attrs & ATTR_TRANSACTIONAL)
+        if (pid >= 0 or transactional) and (pid < 0 or epoch < 0 or seq < 0):
             raise InvalidRequest(f"record batch at byte {pos}: producer id {pid} with epoch {epoch}, "
-                                 f"base sequence {seq}")
-        out.append(Batch(raw, last_delta + 1, max_ts, pid, epoch, seq))
+                                 f"base sequence {seq}{' (transactional)' if transactional else ''}")
+        out.append(Batch(raw, last_delta + 1, max_ts, pid, epoch, seq, transactional))
         if len(out) > max_batches:
             raise CorruptMessage(f"more than {max_batches} record batches in one partition's records")
         pos = end

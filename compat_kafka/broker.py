@@ -17,7 +17,10 @@ the partitions it owns (claimed under its lease on first use when it is the pref
 Metadata names every live shim and each partition's owner as its leader, the lowest live node id
 as controller; Produce/Fetch/ListOffsets for a partition owned elsewhere answer
 NOT_LEADER_OR_FOLLOWER. Group coordinators are placed the same way (``coordinator_node``,
-``is_coordinator``). InitProducerId hands out producer ids (``compat_kafka.producer_ids``).
+``is_coordinator``). InitProducerId hands out producer ids (``compat_kafka.producer_ids``); with a
+transactional id it is the transaction coordinator's (``compat_kafka.transactions``), which also
+serves AddPartitionsToTxn, AddOffsetsToTxn, EndTxn, TxnOffsetCommit and WriteTxnMarkers. Fetch and
+ListOffsets with read_committed stop at the partition's last stable offset.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ from .groups import GroupConfig, GroupCoordinator
 from .ownership import OWNERS, Ownership, coordinator_key, partition_key
 from .partition import PartitionConfig, PartitionLog
 from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
+from .transactions import TransactionCoordinator, TxnConfig
+from .transactions import error_code as txn_error_code
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +98,7 @@ class BrokerConfig:
     max_fetch_sessions: int = 1000
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     groups: GroupConfig = field(default_factory=GroupConfig)
+    transactions: TxnConfig = field(default_factory=TxnConfig)
 
     def __post_init__(self):
         if not 1 <= self.default_partitions <= self.max_partitions:
@@ -132,8 +138,10 @@ class Broker:
         }
         self.groups = GroupCoordinator(self, self.config.groups)  # consumer groups (groups.py)
         self.admin = Admin(self)  # configs, partitions, cluster (admin.py)
+        self.txn = TransactionCoordinator(self, self.config.transactions)  # transactions (transactions.py)
         self._handlers.update(self.groups.handlers())
         self._handlers.update(self.admin.handlers())
+        self._handlers.update(self.txn.handlers())
 
     async def handle(self, req: codec.Request) -> Any:
         resp_cls = _response_schema(req.api_key, req.api_version)
@@ -150,6 +158,7 @@ class Broker:
         if port is not None and self.config.port == 0:
             self.ownership.port = port
         await self.ownership.start()
+        self.txn.start()
 
     async def coordinator_node(self, key_type: int, key: str) -> tuple[int, str, int]:
         """(node id, host, port) of the shim coordinating ``key`` (a group when key_type is 0, a
@@ -167,11 +176,13 @@ class Broker:
         logs, self._logs = list(self._logs.values()), {}
         for p in logs:
             asyncio.ensure_future(p.close())
+        self.txn.forget()  # transactional ids may have moved too: load them again when claimed
 
     async def close(self) -> None:
         logs, self._logs = list(self._logs.values()), {}
         for p in logs:
             await p.close()
+        await self.txn.close()
         await self.groups.close()
         await self.ownership.close()
 
@@ -358,11 +369,10 @@ class Broker:
                 try:
                     if req.acks not in (-1, 0, 1):
                         raise InvalidRequiredAcks(f"acks must be -1, 0 or 1, not {req.acks}")
-                    if req.transactional_id is not None:
-                        raise InvalidRequest("transactions are not supported")
                     batches = split_batches(p.records or b"")
                     idempotent = idempotent or any(b.producer_id >= 0 for b in batches)
                     plog = await self.partition(t.name, p.index, write=True)
+                    await self._check_transactional(req.transactional_id, batches, plog)
                     base, futs = await plog.append(batches)
                     pending.append((t.name, p.index, base, futs, plog))
                 except Exception as exc:
@@ -389,6 +399,18 @@ class Broker:
         return build(resp_cls, throttle_time=ZERO_MS, responses=tuple(
             topic_resp_cls(name=n, partition_responses=tuple(ps)) for n, ps in by_topic.items()))
 
+    async def _check_transactional(self, txn_id: str | None, batches, plog: PartitionLog) -> None:
+        """Transactional batches need the request's transactional id, the current producer and a
+        partition added to its ongoing transaction (``TransactionCoordinator.check_produce``)."""
+        txn = [b for b in batches if b.transactional]
+        if not txn:
+            return
+        if txn_id is None:
+            raise InvalidRequest("transactional record batches in a produce request without a transactional id")
+        for b in txn:
+            await self.txn.check_produce(txn_id, b.producer_id, b.producer_epoch, plog.topic, plog.partition,
+                                         plog.txns.ongoing_at(b.producer_id, b.producer_epoch))
+
     async def _await_acks(self, futs, base: int, plog: PartitionLog, timeout_s: float):
         if not futs:
             return None, base, plog.log_start
@@ -408,11 +430,17 @@ class Broker:
 
     # ---------------------------------------------------------------- InitProducerId
     async def init_producer_id(self, req, resp_cls):
-        if req.transactional_id is not None:
-            log.info("init_producer_id: refusing transactional id %r: transactions are not supported",
-                     req.transactional_id)
-            return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.invalid_request, producer_id=-1,
-                         producer_epoch=-1)
+        if req.transactional_id is not None:  # the transaction coordinator's (transactions.py)
+            try:
+                pid, epoch = await self.txn.init_producer_id(
+                    req.transactional_id, int(req.transaction_timeout.total_seconds() * 1000),
+                    getattr(req, "producer_id", -1), getattr(req, "producer_epoch", -1))
+            except Exception as exc:
+                self._log_error("init_producer_id", req.transactional_id, -1, exc)
+                return build(resp_cls, throttle_time=ZERO_MS, producer_id=-1, producer_epoch=-1,
+                             error_code=txn_error_code(exc, codec.API_INIT_PRODUCER_ID, resp_cls.__version__))
+            return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none, producer_id=pid,
+                         producer_epoch=epoch)
         try:
             pid, epoch = await self.producer_ids.init(getattr(req, "producer_id", -1),
                                                       getattr(req, "producer_epoch", -1))
@@ -454,7 +482,8 @@ class Broker:
         refresh = True if session is None or full else _REFRESH_SOME
         while True:
             appended = self._appended
-            rows, total, errors, followers = await self._fetch_once(jobs, max_bytes, refresh)
+            rows, total, errors, followers = await self._fetch_once(jobs, max_bytes, refresh,
+                                                                    getattr(req, "isolation_level", 0) == 1)
             refresh = False
             remaining = deadline - loop.time()
             if total >= req.min_bytes or total >= max_bytes or errors or remaining <= 0:
@@ -473,42 +502,52 @@ class Broker:
         topics = self._fetch_answer(resp_cls, rows, session if not full else None)
         if session is not None and full:  # the session remembers what its full answer said
             for t, parts in rows:
-                for index, records, error, hw, start in parts:
-                    session.must_answer((t, index), bool(records), error is not None, hw, hw, start)
+                for index, records, error, hw, start, lso, _aborted in parts:
+                    session.must_answer((t, index), bool(records), error is not None, hw, lso, start)
         return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none,
                      session_id=session.id if session is not None else 0, responses=topics)
 
-    async def _read_partition(self, topic: str, index: int, offset: int, room: int, refresh: bool):
-        """(records, error, high watermark, log start, the partition if it was read-only and caught up)."""
+    async def _read_partition(self, topic: str, index: int, offset: int, room: int, refresh: bool,
+                              committed: bool = False):
+        """(records, error, high watermark, log start, the partition if it was read-only and caught up,
+        last stable offset, aborted transactions (read_committed))."""
         try:
             for attempt in (1, 2):
                 plog = await self.partition(topic, index)
                 try:
-                    records = await plog.read(offset, max(room, 1), refresh or attempt == 2)
+                    if committed:
+                        await plog.ensure_txns()
+                    records = await plog.read(offset, max(room, 1), refresh or attempt == 2, committed)
                 except StaleTermError:
                     if attempt == 2 or plog.usable:
                         raise
                     continue  # another writer took the stream over: serve it read-only from now on
                 follower = plog if not plog.writable and offset >= plog.high_watermark else None
-                return records, None, plog.high_watermark, plog.log_start, follower
+                lso = plog.last_stable_offset
+                aborted = plog.txns.aborted_between(offset, lso) if committed and records else ()
+                return records, None, plog.high_watermark, plog.log_start, follower, lso, aborted
         except Exception as exc:
             self._log_error("fetch", topic, index, exc)
-            return b"", exc, -1, -1, None
+            return b"", exc, -1, -1, None, -1, ()
 
-    async def _fetch_once(self, wanted: dict[str, list[tuple[int, int, int]]], max_bytes: int, refresh):
+    async def _fetch_once(self, wanted: dict[str, list[tuple[int, int, int]]], max_bytes: int, refresh,
+                          committed: bool = False):
         """Partitions (``wanted``: topic -> [(partition, fetch offset, max bytes)]) are read
         concurrently (each up to its own limit); a partition whose records would take the response
         over ``max_bytes`` gets none this time (the first one always has its whole first batch, as in
         Kafka), and the client fetches it again. A partition open here and caught up is answered
-        without a read (see ``_caught_up_now``). Returns ([(topic, [(partition, records, error, high
-        watermark, log start)])], total bytes, errors, read-only partitions caught up)."""
+        without a read (see ``_caught_up_now``). ``committed``: read_committed (up to the last stable
+        offset, with the aborted transactions of what is served). Returns ([(topic, [(partition,
+        records, error, high watermark, log start, last stable offset, aborted transactions)])],
+        total bytes, errors, read-only partitions caught up)."""
         results: list = []
         reads = []
         for topic, parts in wanted.items():
             for index, offset, part_max in parts:
                 quick = self._caught_up_now(topic, index, offset, refresh)
                 if quick is None:
-                    reads.append((len(results), (topic, index, offset, min(part_max, max_bytes), refresh)))
+                    reads.append((len(results), (topic, index, offset, min(part_max, max_bytes), refresh,
+                                                 committed)))
                 results.append(quick)
         if len(reads) == 1:
             i, job = reads[0]
@@ -522,7 +561,7 @@ class Broker:
         for t, parts_wanted in wanted.items():
             parts = []
             for index, _offset, _max in parts_wanted:
-                records, error, hw, start, follower = next(it)
+                records, error, hw, start, follower, lso, aborted = next(it)
                 if follower is not None:
                     followers.append(follower)
                 if error is not None:
@@ -530,24 +569,28 @@ class Broker:
                 if total and total + len(records) > max_bytes:
                     records = b""
                 total += len(records)
-                parts.append((index, records, error, hw, start))
+                parts.append((index, records, error, hw, start, lso, aborted))
             rows.append((t, parts))
         return rows, total, errors, followers
 
     @staticmethod
     def _fetch_answer(resp_cls, rows, incremental: FetchSession | None) -> tuple:
         """The response's topics; for an ``incremental`` session fetch only the partitions with
-        records, an error, or a changed high watermark or log start (``FetchSession.must_answer``)."""
+        records, an error, or a changed high watermark, last stable offset or log start
+        (``FetchSession.must_answer``)."""
         topic_cls = nested(resp_cls, "FetchableTopicResponse")
         part_cls = nested(resp_cls, "PartitionData")
+        aborted_cls = nested(resp_cls, "AbortedTransaction")
         topics = []
         for t, parts in rows:
             out = [build(part_cls, partition_index=index, error_code=code_for(error) if error else ErrorCode.none,
-                         high_watermark=hw, last_stable_offset=hw, log_start_offset=start, aborted_transactions=(),
+                         high_watermark=hw, last_stable_offset=lso, log_start_offset=start,
+                         aborted_transactions=tuple(aborted_cls(producer_id=pid, first_offset=first)
+                                                    for pid, first in aborted),
                          preferred_read_replica=-1, records=records)
-                   for index, records, error, hw, start in parts
+                   for index, records, error, hw, start, lso, aborted in parts
                    if incremental is None
-                   or incremental.must_answer((t, index), bool(records), error is not None, hw, hw, start)]
+                   or incremental.must_answer((t, index), bool(records), error is not None, hw, lso, start)]
             if out:
                 topics.append(topic_cls(topic=t, partitions=tuple(out)))
         return tuple(topics)
@@ -570,7 +613,7 @@ class Broker:
         if not self.ownership.owns(partition_key(topic, index)):
             return None
         follower = plog if not plog.writable else None
-        return b"", None, plog.high_watermark, plog.log_start, follower
+        return b"", None, plog.high_watermark, plog.log_start, follower, plog.last_stable_offset, ()
 
     # ---------------------------------------------------------------- ListOffsets
     async def list_offsets(self, req, resp_cls):
@@ -582,7 +625,8 @@ class Broker:
             for p in t.partitions:
                 offset, ts, error = -1, -1, None
                 try:
-                    offset, ts = await self._list_offset(t.name, p.partition_index, p.timestamp)
+                    offset, ts = await self._list_offset(t.name, p.partition_index, p.timestamp,
+                                                         getattr(req, "isolation_level", 0) == 1)
                 except Exception as exc:
                     self._log_error("list_offsets", t.name, p.partition_index, exc)
                     error = exc
@@ -592,14 +636,17 @@ class Broker:
             topics.append(topic_cls(name=t.name, partitions=tuple(parts)))
         return build(resp_cls, throttle_time=ZERO_MS, topics=tuple(topics))
 
-    async def _list_offset(self, topic: str, index: int, timestamp: int) -> tuple[int, int]:
+    async def _list_offset(self, topic: str, index: int, timestamp: int, committed: bool = False) -> tuple[int, int]:
         for attempt in (1, 2):
             plog = await self.partition(topic, index)
             try:
                 if timestamp in (-2, -4, -5):  # earliest, earliest-local, earliest-pending-upload
                     return await plog.refresh_log_start(), -1
-                if timestamp < 0:  # -1 latest, -3 max timestamp: the high watermark
+                if timestamp < 0:  # -1 latest, -3 max timestamp: the high watermark (read_committed: the LSO)
                     await plog.caught_up()
+                    if committed and timestamp == -1:
+                        await plog.ensure_txns()
+                        return plog.last_stable_offset, -1
                     return plog.high_watermark, -1
                 return await plog.offset_for_timestamp(timestamp)
             except StaleTermError:

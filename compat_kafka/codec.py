@@ -59,6 +59,13 @@ API_INCREMENTAL_ALTER_CONFIGS = 44
 API_DESCRIBE_CLUSTER = 60
 API_CONSUMER_GROUP_HEARTBEAT = 68
 API_CONSUMER_GROUP_DESCRIBE = 69
+API_ADD_PARTITIONS_TO_TXN = 24
+API_ADD_OFFSETS_TO_TXN = 25
+API_END_TXN = 26
+API_WRITE_TXN_MARKERS = 27
+API_TXN_OFFSET_COMMIT = 28
+API_DESCRIBE_TRANSACTIONS = 65
+API_LIST_TRANSACTIONS = 66
 
 # The versions we serve, per api key (checked against kcat/librdkafka 2.0, confluent-kafka 2.16,
 # aiokafka 0.14 and kafka-python 3.0; bounded below/above by the kio 0.6.5 schemas: OffsetCommit
@@ -94,6 +101,14 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     API_DELETE_RECORDS: (0, 2),
     # idempotent producers (producer_ids.py)
     API_INIT_PRODUCER_ID: (0, 5),
+    # transactions (transactions.py); AddPartitionsToTxn v4+ is the brokers' batch form (KIP-890)
+    API_ADD_PARTITIONS_TO_TXN: (0, 4),
+    API_ADD_OFFSETS_TO_TXN: (0, 3),
+    API_END_TXN: (0, 3),
+    API_WRITE_TXN_MARKERS: (1, 1),
+    API_TXN_OFFSET_COMMIT: (0, 3),
+    API_DESCRIBE_TRANSACTIONS: (0, 0),
+    API_LIST_TRANSACTIONS: (0, 2),
 }
 
 # The client id of the request being handled (set by ``Broker.handle``; each request runs in its

@@ -92,6 +92,10 @@ class InvalidRequest(KafkaError):
     code = ErrorCode.invalid_request
 
 
+class InvalidRecord(KafkaError):
+    code = ErrorCode.invalid_record
+
+
 class UnsupportedForMessageFormat(KafkaError):
     code = ErrorCode.unsupported_for_message_format
 

@@ -75,6 +75,7 @@ from . import codec
 from .codec import ZERO_MS, build, nested
 from .consumer_groups import ConsumerGroup, ConsumerGroupConfig
 from .errors import code_for
+from .transactions import mark_unstable
 
 log = logging.getLogger(__name__)
 
@@ -992,11 +993,15 @@ class GroupCoordinator:
                     groups.append(build(group_cls, group_id=rg.group_id, topics=(), error_code=member_err))
                     continue
                 err, topics = await self._fetch_group(rg.group_id, rg.topics, topic_cls, part_cls)
+                if req.require_stable and err == ErrorCode.none:  # offsets pending in a transaction
+                    topics = await mark_unstable(self.broker.store, rg.group_id, topics, topic_cls, part_cls)
                 groups.append(build(group_cls, group_id=rg.group_id, topics=topics, error_code=err))
             return build(resp_cls, throttle_time=ZERO_MS, groups=tuple(groups))
         topic_cls = nested(resp_cls, "OffsetFetchResponseTopic")
         part_cls = nested(resp_cls, "OffsetFetchResponsePartition")
         err, topics = await self._fetch_group(req.group_id, req.topics, topic_cls, part_cls)
+        if getattr(req, "require_stable", False) and err == ErrorCode.none:  # offsets pending in a transaction
+            topics = await mark_unstable(self.broker.store, req.group_id, topics, topic_cls, part_cls)
         if version < 2 and err != ErrorCode.none:  # v0-1 carry errors per partition only
             topics = tuple(topic_cls(name=t.name, partitions=tuple(
                 build(part_cls, partition_index=i, committed_offset=-1, metadata="", error_code=err)

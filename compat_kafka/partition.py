@@ -29,6 +29,15 @@ offsets of its own:
   no patching. An entry that is not a record batch is refused (``RecordFormatError``, answered as
   CORRUPT_MESSAGE) rather than served.
 
+Transactions (``compat_kafka.transactions``). The partition keeps a transaction index of its
+acknowledged batches (``PartitionTxns``): each producer's open transaction (first offset), the
+aborted ranges, and the coordinator epoch of each producer's last marker. The last stable offset is
+the first offset of the earliest open transaction, else the high watermark; read_committed fetches
+stop there. Markers (``append_marker``) are control batches appended like any batch (one offset
+each); they raise the producer's epoch here, so an older epoch is fenced. The index is saved in the
+producer-state snapshot and rebuilt by the same scan on open; a partition served read-only builds
+it on its first read_committed fetch (``ensure_txns``).
+
 Idempotent producers (``compat_kafka.producer_ids``). Batches carrying a producer id are checked
 against the partition's producer state before they are queued; a retry of a stored batch is
 answered with its original base offset and not stored again. The state must survive a take-over,
@@ -52,7 +61,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streams.batches import StoredBatch, records_of, stored_batch
+from streams.batches import ATTR_CONTROL, ATTR_TRANSACTIONAL, StoredBatch, records_of, stored_batch
 from streams.consumer import Consumer
 from streams.driver import ProducerOptions
 from streams.errors import DataRemovedError, PayloadTooLarge, StaleTermError, WriterWithdrawn
@@ -61,8 +70,9 @@ from streams.producer import Producer
 from streams.topics import partition_stream
 
 from .batches import Batch, increment_sequence
-from .errors import OffsetOutOfRange, OutOfOrderSequenceNumber
+from .errors import InvalidProducerEpoch, OffsetOutOfRange, OutOfOrderSequenceNumber
 from .producer_ids import BatchRecord, ProducerStateTable, StateSnapshot, in_sequence, state_key
+from .transactions import PartitionTxns, TransactionCoordinatorFenced, control_batch, parse_marker
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +127,9 @@ class PartitionLog:
         self._cursors: dict[int, int] = {}  # end offset of a batch served -> the entry after it
         self.live_state = ProducerStateTable(config.max_producers)  # includes batches in flight
         self.acked_state = ProducerStateTable(config.max_producers)  # exactly the batches below high_watermark
+        self.txns = PartitionTxns()  # transactions of the acked batches (ongoing, aborted ranges): the LSO
+        self._txns_built = writable  # read-only: built on the first read_committed fetch (``ensure_txns``)
+        self._marker_epochs: dict[int, int] = {}  # producer id -> coordinator epoch of its last marker queued
         self._snapshot_key = state_key(topic, partition)
         self._snapshot_version = 0
         self._snapshot_offset = -1
@@ -184,8 +197,10 @@ class PartitionLog:
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("stream=%s: ignoring an unreadable producer-state snapshot: %r", self.stream, exc)
         state = ProducerStateTable(self.config.max_producers)
+        txns = PartitionTxns()
         if snap is not None and snap.stream_id == self.stream_id and snap.offset <= self.high_watermark:
             state = ProducerStateTable.from_json(snap.producers, self.config.max_producers)
+            txns = PartitionTxns.from_json(snap.txns)
             skip_below = self._snapshot_offset = snap.offset
             if snap.offset >= self.high_watermark:
                 start = lac + 1
@@ -204,18 +219,52 @@ class PartitionLog:
                 if b is None or b.end_offset <= skip_below:
                     continue
                 pid, epoch, first = b.producer()
-                if pid >= 0:
+                attrs = b.attributes
+                if attrs & ATTR_CONTROL:  # a transaction marker
+                    commit, coord_epoch = parse_marker(b.batch)
+                    txns.on_marker(pid, b.base_offset, commit, coord_epoch)
+                    state.fence(pid, epoch)
+                elif pid >= 0:
                     last = increment_sequence(first, b.offset_count - 1)
                     state.record(pid, epoch, BatchRecord(first, last, b.base_offset, b.offset_count))
+                    if attrs & ATTR_TRANSACTIONAL:
+                        txns.on_batch(pid, b.base_offset, epoch)
+        txns.trim(self.log_start)
         self.acked_state = state
         self.live_state = state.copy()
+        self.txns = txns
+        self._marker_epochs = dict(txns.coordinator_epochs)
+        self._txns_built = True
         return max(0, lac - start + 1)
+
+    async def ensure_txns(self) -> None:
+        """Read-only: build the transaction index once (the snapshot and a scan after it up to the
+        LAC seen), for read_committed fetches (librdkafka's default). Transactional data and markers
+        are only written through a writable partition, which builds its own on open and snapshots
+        it; a stream without a snapshot was never written by a listener (a Python producer's, say:
+        no transactions), so it is not scanned."""
+        if self._txns_built:
+            return
+        async with self._lock:
+            if not self._txns_built and await self.store.get(self._snapshot_key) is None:
+                self._txns_built = True
+            if not self._txns_built:
+                states = (self.live_state, self.acked_state)
+                await self._rebuild_producer_state(self._last_entry)
+                self.live_state, self.acked_state = states  # read-only: only the transactions are needed
+
+    @property
+    def last_stable_offset(self) -> int:
+        return self.txns.lso(self.high_watermark)
 
     async def write_snapshot(self) -> bool:
         """Write the acked producer state (compare-and-set); False if a later term's snapshot is there."""
         if self._snapshots_stopped:
             return False
-        snap = StateSnapshot(self.stream_id, self.high_watermark, self.producer.term, self.acked_state.to_json())
+        self.txns.trim(self.log_start)
+        snap = StateSnapshot(self.stream_id, self.high_watermark, self.producer.term, self.acked_state.to_json(),
+                             self.txns.to_json() if (self.txns.ongoing or self.txns.aborted
+                                                     or self.txns.coordinator_epochs) else None)
         data = snap.encode()
         for _ in range(3):
             v = await self.store.cas(self._snapshot_key, data, self._snapshot_version)
@@ -322,9 +371,52 @@ class PartitionLog:
             if batch.producer_id >= 0:
                 self.acked_state.record(batch.producer_id, batch.producer_epoch, BatchRecord(
                     batch.base_sequence, batch.last_sequence, base, count))
+                if batch.transactional:
+                    self.txns.on_batch(batch.producer_id, base, batch.producer_epoch)
             self.on_append()
 
         return done
+
+    async def append_marker(self, producer_id: int, epoch: int, commit: bool,
+                            coordinator_epoch: int) -> asyncio.Future:
+        """Queue a transaction marker (a control batch, one offset) for ``producer_id``; returns
+        its acknowledgement future. Refused (TRANSACTION_COORDINATOR_FENCED) from a coordinator
+        epoch older than one already seen for that producer, and (INVALID_PRODUCER_EPOCH) at an
+        epoch older than the producer's here. From then on an older epoch's batches are fenced."""
+        async with self._lock:
+            self._check_usable()
+            if not self.writable:
+                raise WriterWithdrawn(f"{self.stream}: opened read-only")
+            if coordinator_epoch < self._marker_epochs.get(producer_id, -1):
+                raise TransactionCoordinatorFenced(
+                    f"{self.topic} partition {self.partition}: marker for producer {producer_id} from coordinator "
+                    f"epoch {coordinator_epoch}, older than {self._marker_epochs[producer_id]}")
+            entry = self.live_state.producers.get(producer_id)
+            if entry is not None and epoch < entry.epoch:
+                raise InvalidProducerEpoch(f"{self.topic} partition {self.partition}: marker for producer "
+                                           f"{producer_id} at epoch {epoch}, older than {entry.epoch}")
+            p = self.producer
+            try:
+                if not p.has_space():
+                    await p.wait_for_space()
+                base, fut = p.append_batch(control_batch(producer_id, epoch, commit, coordinator_epoch))
+            except Exception as exc:
+                self._fail(exc)
+                raise
+            self._marker_epochs[producer_id] = coordinator_epoch
+            self.live_state.fence(producer_id, epoch)
+
+            def done(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    self._fail(f.exception() if not f.cancelled() else asyncio.CancelledError())
+                    return
+                self.high_watermark = max(self.high_watermark, base + 1)
+                self.acked_state.fence(producer_id, epoch)
+                self.txns.on_marker(producer_id, base, commit, coordinator_epoch)
+                self.on_append()
+
+            fut.add_done_callback(done)
+            return fut
 
     def _fail(self, exc: BaseException) -> None:
         if self.failure is None:
@@ -376,15 +468,16 @@ class PartitionLog:
             self._fail(exc)
             raise exc
 
-    async def read(self, offset: int, max_bytes: int, refresh: bool = True) -> bytes:
+    async def read(self, offset: int, max_bytes: int, refresh: bool = True, committed: bool = False) -> bytes:
         """The stored record batches from the one holding ``offset`` up to the high watermark, at
         most ``max_bytes`` except that the first batch is always whole (as Kafka does).
-        ``refresh``: at the high watermark, ``caught_up`` first (one LAC read)."""
+        ``refresh``: at the high watermark, ``caught_up`` first (one LAC read). ``committed``
+        (read_committed): only up to the last stable offset."""
         if offset >= self.high_watermark and refresh:
             await self.caught_up()
         self.check_offset(offset)
-        hw = self.high_watermark
-        if offset == hw:
+        hw = self.last_stable_offset if committed else self.high_watermark
+        if offset >= hw:
             return b""
         # every entry up to ``last`` is acknowledged; batches from hw on are not served yet
         last = self.producer.lac if self.writable else self._last_entry
@@ -455,9 +548,11 @@ class PartitionLog:
 
         last = self.producer.lac if self.writable else self._last_entry
         b = await search_timestamp(next_in, r.earliest_entry() - 1, last + 1, ts)
-        if b is None or b.base_offset >= hw:
-            return -1, -1
-        for rec in records_of(b, self.stream, max(b.base_offset, self.log_start)):
-            if rec.timestamp_ms >= ts:
-                return rec.offset, rec.timestamp_ms
+        while b is not None and b.base_offset < hw:
+            for rec in records_of(b, self.stream, max(b.base_offset, self.log_start)):
+                if rec.timestamp_ms >= ts:
+                    return rec.offset, rec.timestamp_ms
+            if not b.attributes & ATTR_CONTROL:
+                break
+            b = await next_in(b.entry_id + 1, last)  # a transaction marker holds no record: the next batch
         return -1, -1

@@ -6,7 +6,8 @@ Producer ids. ``InitProducerId`` hands out ids from one counter in the metadata 
 ids are unique across shims and restarts (the unused rest of a block is simply skipped). A new id
 starts at epoch 0. A request (v3+) carrying an existing id and epoch gets the same id at epoch + 1
 (KIP-360: the producer bumps its epoch to reset its sequences after an error); an epoch that
-would overflow gets a fresh id instead. Transactional ids are refused (no transactions here).
+would overflow gets a fresh id instead. Transactional ids are the transaction coordinator's
+(``compat_kafka.transactions``), which allocates their producer ids here too.
 
 Sequence state. Per (producer id, partition) Kafka keeps the epoch and the last 5 batches'
 (first sequence, last sequence, base offset); ``ProducerStateTable`` is that table for one
@@ -151,6 +152,16 @@ class ProducerStateTable:
         while len(self.producers) > self.max_producers:
             del self.producers[next(iter(self.producers))]
 
+    def fence(self, pid: int, epoch: int) -> None:
+        """A transaction marker at ``epoch`` was written: an older epoch is fenced from now on, and a
+        newer one starts afresh (its batches must start at sequence 0)."""
+        entry = self.producers.get(pid)
+        if entry is None or entry.epoch < epoch:
+            self.producers.pop(pid, None)
+            self.producers[pid] = ProducerEntry(epoch)
+            while len(self.producers) > self.max_producers:
+                del self.producers[next(iter(self.producers))]
+
     def copy(self) -> ProducerStateTable:
         t = ProducerStateTable(self.max_producers, self.complete)
         for pid, e in self.producers.items():
@@ -168,6 +179,8 @@ class ProducerStateTable:
     def from_json(cls, d: dict, max_producers: int = 10_000, complete: bool = True) -> ProducerStateTable:
         t = cls(max_producers, complete)
         for pid, (epoch, batches) in d.items():
+            if not batches:  # fenced by a transaction marker, no batch at this epoch yet
+                t.fence(int(pid), int(epoch))
             for first, last, base, count in batches:
                 t.record(int(pid), int(epoch), BatchRecord(int(first), int(last), int(base), int(count)))
         return t
@@ -182,12 +195,15 @@ class StateSnapshot:
     offset: int
     term: int
     producers: dict
+    txns: dict | None = None  # the partition's transaction index (``transactions.PartitionTxns``)
 
     def encode(self) -> bytes:
-        return json.dumps({"stream_id": self.stream_id, "offset": self.offset, "term": self.term,
-                           "producers": self.producers}, separators=(",", ":")).encode()
+        d = {"stream_id": self.stream_id, "offset": self.offset, "term": self.term, "producers": self.producers}
+        if self.txns:
+            d["txns"] = self.txns
+        return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> StateSnapshot:
         d = json.loads(raw)
-        return cls(int(d["stream_id"]), int(d["offset"]), int(d["term"]), dict(d["producers"]))
+        return cls(int(d["stream_id"]), int(d["offset"]), int(d["term"]), dict(d["producers"]), d.get("txns"))
