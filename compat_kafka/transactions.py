@@ -86,7 +86,18 @@ from kio.schema.errors import ErrorCode
 from streams.batches import ATTR_CONTROL, OFF_ATTRIBUTES, OFF_CRC
 
 from . import codec
-from .codec import ZERO_MS, build, nested
+from .codec import (
+    API_ADD_OFFSETS_TO_TXN,
+    API_ADD_PARTITIONS_TO_TXN,
+    API_DESCRIBE_TRANSACTIONS,
+    API_END_TXN,
+    API_LIST_TRANSACTIONS,
+    API_TXN_OFFSET_COMMIT,
+    API_WRITE_TXN_MARKERS,
+    ZERO_MS,
+    build,
+    nested,
+)
 from .errors import (
     InvalidProducerEpoch,
     InvalidRequest,
@@ -109,14 +120,6 @@ PREPARE_ABORT = "PrepareAbort"
 COMPLETE_COMMIT = "CompleteCommit"
 COMPLETE_ABORT = "CompleteAbort"
 STATES = (EMPTY, ONGOING, PREPARE_COMMIT, PREPARE_ABORT, COMPLETE_COMMIT, COMPLETE_ABORT)
-
-API_ADD_PARTITIONS_TO_TXN = 24
-API_ADD_OFFSETS_TO_TXN = 25
-API_END_TXN = 26
-API_WRITE_TXN_MARKERS = 27
-API_TXN_OFFSET_COMMIT = 28
-API_DESCRIBE_TRANSACTIONS = 65
-API_LIST_TRANSACTIONS = 66
 
 
 # ---------------------------------------------------------------- errors
