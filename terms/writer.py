@@ -451,7 +451,16 @@ class LedgerWriter:
         self.open_entry_id = self.lap + 1
         log.info("ledger=%s term=%s open; appends start at %s", self.ledger.ledger_id, self.term, self.lap + 1)
         self._out.append(Opened(self.term, self.lap + 1, self.truncate_entry_id))
-        self._push_lac()
+        if self.truncate_entry_id is not None and self.truncate_entry_id == self.frozen_lafr + 1 \
+                and self.frozen_lac <= self.frozen_lafr:
+            # Nothing was recovered: every entry below the no-op was fully replicated before, and
+            # the no-op, sent to the whole ensemble, carried the LAC readers could already see.
+            # Pushing the no-op's own id as LAC would show readers nothing (they skip no-ops) and
+            # cost each bookie a journal write: a take-over of a new stream, or of one whose
+            # writer stopped cleanly, is the common case (a listener opens hundreds at once).
+            self.lac_pushed = self.lac
+        else:
+            self._push_lac()
 
     # ------------------------------------------------------------------ adds
     def _new_pending(self, data: bytes, recovery: bool = False, truncate: bool = False) -> int:
