@@ -59,6 +59,9 @@ from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
 
 log = logging.getLogger(__name__)
 
+SNAPSHOT_CONCURRENCY = 32  # producer-state snapshot writes in flight at once
+TOPIC_FOR_OPEN_S = 1.0  # partitions opened within this long of each other share one read of their topic
+
 # kio resolves a schema through importlib on every call (~3% of the shim's CPU under produce load)
 _response_schema = functools.lru_cache(maxsize=None)(codec.response_schema)
 
@@ -83,6 +86,9 @@ class BrokerConfig:
     max_fetch_bytes: int = 64 << 20
     max_fetch_wait_ms: int = 30_000
     max_produce_timeout_ms: int = 60_000
+    # partitions being opened (claimed and taken over) at once: a first produce to a new topic
+    # opens all its partitions concurrently, up to this many in flight
+    max_concurrent_opens: int = 32
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     groups: GroupConfig = field(default_factory=GroupConfig)
 
@@ -95,6 +101,8 @@ class BrokerConfig:
             raise ValueError("invalid fetch limits")
         if self.lease_ttl_s < 1.0:
             raise ValueError("lease_ttl_s must be at least 1 s")
+        if self.max_concurrent_opens < 1:
+            raise ValueError("max_concurrent_opens must be at least 1")
         if self.node_id is not None and not 0 <= self.node_id < 2**31:
             raise ValueError(f"node_id must be 0..2**31-1, not {self.node_id}")
 
@@ -106,6 +114,9 @@ class Broker:
         self.config = config or BrokerConfig()
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._opening: dict[tuple[str, int], asyncio.Future] = {}
+        self._open_slots = asyncio.Semaphore(self.config.max_concurrent_opens)
+        self._topic_reads: dict[str, tuple[float, asyncio.Future]] = {}  # see _topic_for_open
+        self._snapshotter: asyncio.Task | None = None  # one for all partitions (see _snapshot_loop)
         self._appended = asyncio.Event()
         c = self.config
         self.ownership = Ownership(self.store, c.host, c.port, c.node_id, c.lease_ttl_s, on_lost=self._on_lost)
@@ -160,6 +171,10 @@ class Broker:
             asyncio.ensure_future(p.close())
 
     async def close(self) -> None:
+        if self._snapshotter is not None:
+            self._snapshotter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._snapshotter
         logs, self._logs = list(self._logs.values()), {}
         for p in logs:
             await p.close()
@@ -199,10 +214,12 @@ class Broker:
         except TopicExists as exc:
             raise TopicAlreadyExists(str(exc)) from None
         await self.admin.apply_retention(name, range(partitions), configs)  # reused streams too
+        self._topic_reads.pop(name, None)
         log.info("topic=%s created with %d partitions", name, partitions)
         return meta
 
     async def delete_topic(self, meta: TopicMeta) -> None:
+        self._topic_reads.pop(meta.name, None)
         for p in range(meta.partitions):
             plog = self._logs.pop((meta.name, p), None)
             if plog is not None:
@@ -243,18 +260,20 @@ class Broker:
             if self.ownership.owns(partition_key(topic, index)):
                 return plog
             raise NotLeaderOrFollower(f"{topic} partition {index} is not served by node {self.node_id} now")
-        meta = await self.topic(topic)
+        meta = await self._topic_for_open(topic)
         if meta is None or not 0 <= index < meta.partitions:
             raise UnknownTopicOrPartition(f"unknown topic or partition {topic} partition {index}")
-        if not await self.ownership.claim(partition_key(topic, index)):
-            raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
-                                      f"{self.node_id})")
-        plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append, writable=write)
-        try:
-            await plog.open()
-        except BaseException:
-            await plog.close()
-            raise
+        async with self._open_slots:  # bounded: opens of many partitions run concurrently
+            if not await self.ownership.claim(partition_key(topic, index)):
+                raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
+                                          f"{self.node_id})")
+            plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append,
+                                writable=write)
+            try:
+                await plog.open()
+            except BaseException:
+                await plog.close()
+                raise
         if not self.ownership.owns(partition_key(topic, index)):  # lost while opening
             await plog.close()
             raise NotLeaderOrFollower(f"{topic} partition {index}: node {self.node_id} lost its lease while opening")
@@ -265,7 +284,37 @@ class Broker:
                 return old
             asyncio.ensure_future(old.close())
         self._logs[(topic, index)] = plog
+        if write and self._snapshotter is None:
+            self._snapshotter = asyncio.get_running_loop().create_task(self._snapshot_loop(), name="kafka-snapshots")
         return plog
+
+    async def _snapshot_loop(self) -> None:
+        """Producer-state snapshots of every writable partition that had batches acknowledged since
+        its last one (``PartitionLog.snapshot_if_due``): one timer for the listener, however many
+        partitions are open, and a bounded number of snapshot writes in flight."""
+        while True:
+            await asyncio.sleep(self.config.partition.snapshot_interval_s)
+            due = [p for p in self._logs.values() if p.snapshot_due]
+            for i in range(0, len(due), SNAPSHOT_CONCURRENCY):
+                await asyncio.gather(*(p.snapshot_if_due() for p in due[i:i + SNAPSHOT_CONCURRENCY]))
+
+    async def _topic_for_open(self, name: str) -> TopicMeta | None:
+        """The topic, as ``topic`` answers it, read once for the partitions of a topic opened
+        together (a first produce opens hundreds): a read started less than ``TOPIC_FOR_OPEN_S``
+        ago is shared. Partitions only grow, and a deleted topic's streams are gone (the
+        take-over fails), so a slightly old answer cannot open a partition that never was."""
+        loop = asyncio.get_running_loop()
+        got = self._topic_reads.get(name)
+        if got is None or loop.time() - got[0] > TOPIC_FOR_OPEN_S or (got[1].done() and got[1].exception()):
+            got = (loop.time(), asyncio.ensure_future(self.topic(name)))
+            self._topic_reads[name] = got
+            if len(self._topic_reads) > 1024:
+                self._topic_reads = {k: v for k, v in self._topic_reads.items()
+                                     if loop.time() - v[0] <= TOPIC_FOR_OPEN_S}
+        meta = await asyncio.shield(got[1])
+        if meta is None:
+            self._topic_reads.pop(name, None)  # unknown now: the next open asks again
+        return meta
 
     def _notify_append(self) -> None:
         ev, self._appended = self._appended, asyncio.Event()
@@ -338,6 +387,7 @@ class Broker:
         results: dict[tuple[str, int], tuple[BaseException | None, int, int]] = {}
         order = [(t.name, p.index) for t in req.topic_data for p in t.partition_data]
         idempotent = False
+        opened = await self._open_for_produce(req, order)
         for t in req.topic_data:
             for p in t.partition_data:
                 try:
@@ -347,7 +397,11 @@ class Broker:
                         raise InvalidRequest("transactions are not supported")
                     batches = split_batches(p.records or b"")
                     idempotent = idempotent or any(b.producer_id >= 0 for b in batches)
-                    plog = await self.partition(t.name, p.index, write=True)
+                    plog = opened.pop((t.name, p.index), None)
+                    if isinstance(plog, Exception):
+                        raise plog
+                    if not isinstance(plog, PartitionLog):
+                        plog = await self.partition(t.name, p.index, write=True)
                     base, futs = await plog.append(batches)
                     pending.append((t.name, p.index, base, futs, plog))
                 except Exception as exc:
@@ -372,6 +426,16 @@ class Broker:
                 error_message=str(exc) if exc else None))
         return build(resp_cls, throttle_time=ZERO_MS, responses=tuple(
             topic_resp_cls(name=n, partition_responses=tuple(ps)) for n, ps in by_topic.items()))
+
+    async def _open_for_produce(self, req, keys: list[tuple[str, int]]) -> dict:
+        """Open every partition of a produce request at once (each open is a take-over: one after
+        another they would add up), before its batches are appended in request order: key -> the
+        partition, or the error its open raised. Nothing is opened for a request refused whole."""
+        if len(keys) < 2 or req.acks not in (-1, 0, 1) or req.transactional_id is not None:
+            return {}
+        keys = list(dict.fromkeys(keys))
+        results = await asyncio.gather(*(self.partition(t, i, write=True) for t, i in keys), return_exceptions=True)
+        return dict(zip(keys, results))
 
     async def _await_acks(self, futs, base: int, plog: PartitionLog, timeout_s: float):
         if not futs:
