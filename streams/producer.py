@@ -49,9 +49,13 @@ class _Sealed:
 
 class Producer:
     def __init__(self, driver: WriterDriver, max_entry_bytes: int, next_offset: int,
-                 options: ProducerOptions | None = None):
+                 options: ProducerOptions | None = None, *, reader=None):
         o = options or driver.options
         self._driver = driver
+        # the Consumer the next offset was learnt with (fragments as of the take-over): a caller
+        # that reads the stream it writes (the Kafka listener) takes it over instead of building
+        # another, which would read the same metadata again
+        self.reader = reader
         self.options = o
         self.max_entry_bytes = max_entry_bytes
         self.next_offset = next_offset  # the offset the next sealed batch starts at
@@ -82,6 +86,11 @@ class Producer:
     def stream_id(self) -> int:
         """The ledger id of the stream this producer writes."""
         return self._driver.writer.ledger.ledger_id
+
+    @property
+    def meta(self):
+        """The stream's ledger record as this producer's writer last wrote it (after the take-over)."""
+        return self._driver.writer.ledger
 
     @property
     def lac(self) -> int:
