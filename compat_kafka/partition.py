@@ -142,7 +142,7 @@ class PartitionLog:
         lac = self.producer.lac
         self.high_watermark = self.producer.next_offset
         self.log_start = await self.reader.earliest_offset()
-        scanned = await self._rebuild_producer_state(lac)
+        scanned = await self._rebuild_producer_state(self.producer.last_data_entry_at_open)
         log.info("topic=%s partition=%d stream=%s term=%s open: LAC %d, offsets %d..%d, %d producers "
                  "(%d entries scanned)", self.topic, self.partition, self.stream, self.producer.term, lac,
                  self.log_start, self.high_watermark, len(self.acked_state.producers), scanned)

@@ -237,7 +237,9 @@ class ScrollClient:
             if w.ledger.first_fragment_index == w.ledger.last_fragment_index == w.fragment.index \
                     and w.cas_reason is None and not w.dirty:
                 reader.seed_fragments([w.fragment])  # its one fragment, as the take-over committed it
-            next_offset = await reader.offset_after(driver.writer.lac)  # from the last batch at or below the LAC
+            # from the last batch at or below the LAC (the take-over's no-op at the LAC holds none)
+            last = w.lac - 1 if w.noop_entry_id is not None and w.noop_entry_id == w.lac else w.lac
+            next_offset = await reader.offset_after(last)
         except BaseException:
             await driver.close()
             raise

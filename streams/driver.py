@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 PLACEMENT_REFRESH_S = 5.0  # how old the writer's view of the live bookies may get
 PLACEMENT_REFRESH_FAILED_S = 0.5  # ... while a failed bookie waits for a replacement
-OPEN_PLACEMENT_MAX_AGE_S = 1.0  # ... when a take-over starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,14 +120,11 @@ class WriterDriver:
         delay = self.options.takeover_backoff_s
         last_reason = ""
         self._stopped = False
-        for attempt in range(self.options.takeover_attempts):
+        for _ in range(self.options.takeover_attempts):
             meta, version = await self.ledgers.get_ledger(self.name)
             self.ledger_id = meta.ledger_id
             last = await self.ledgers.get_fragment(meta.ledger_id, meta.last_fragment_index)
-            # the live bookies are only for placing replacements (the fence goes to the fragment's
-            # ensemble): a view a second old will do for a first attempt (many streams opening at
-            # once share one listing)
-            await self.cluster.refresh_bookies(max_age_s=OPEN_PLACEMENT_MAX_AGE_S if attempt == 0 else 0.0)
+            await self.cluster.refresh_bookies()
             self._placed_at = self._now()
             placement = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
             cfg = WriterConfig(

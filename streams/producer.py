@@ -97,6 +97,14 @@ class Producer:
         """The last entry id this producer has had acknowledged."""
         return self._driver.writer.lac
 
+    @property
+    def last_data_entry_at_open(self) -> int:
+        """The last entry id that may hold a batch when this producer opened: its LAC then, or the
+        entry before it when that is the take-over's own no-op (no need to read it back)."""
+        w = self._driver.writer
+        first = w.open_entry_id if w.open_entry_id is not None else w.lac + 1
+        return first - 2 if w.noop_entry_id is not None and w.noop_entry_id == first - 1 else first - 1
+
     # ---------------------------------------------------------------- appends
     async def append(self, value: bytes, key: bytes | None = None, headers=None,
                      timestamp_ms: int | None = None) -> int:

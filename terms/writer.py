@@ -179,6 +179,7 @@ class LedgerWriter:
         self.read_window = 1  # recovery reads in flight: doubles per entry found, up to the config's
         self.read_floor = last_fragment.created_term  # copies older than this are leftovers
         self.truncate_entry_id: int | None = None
+        self.noop_entry_id: int | None = None  # the truncate no-op this take-over wrote (it holds no data)
         self.open_entry_id: int | None = None  # first id appended by this term
         self.acked = -1  # highest id acknowledged to callers
         self.lac_pushed = -1
@@ -428,7 +429,7 @@ class LedgerWriter:
         self.truncate_entry_id = entry_id
         log.info("ledger=%s term=%s truncate point %s", self.ledger.ledger_id, self.term, entry_id)
         if not self.config.unsafe.skip_truncate:
-            self._new_pending(entry_codec.noop(self.term), recovery=True, truncate=True)
+            self.noop_entry_id = self._new_pending(entry_codec.noop(self.term), recovery=True, truncate=True)
             self._pump()
         self._maybe_finish_recovery()
 
