@@ -37,10 +37,11 @@ Many partitions (``--phases open,failover,idle``; each phase starts listeners of
   key vanishing from etcd, polled every 10 ms) until one record more has been acknowledged on every
   partition through B (a confluent-kafka producer started at the expiry), and B's log of partitions
   opened.
-* idle: topics of 500 partitions are opened by first produces until ``--idle-partitions`` are open
-  on one listener (each first produce timed: the last one runs on a listener already holding the
-  others); then, with no traffic, the CPU of the listener, the three bookies and etcd over
-  ``--idle-seconds`` (from /proc), as a share of one core.
+* idle: the CPU of the listener, the three bookies and etcd over ``--idle-seconds`` (from /proc,
+  as a share of one core) with no partition open; then topics of 500 partitions are opened by
+  first produces until ``--idle-partitions`` are open on the listener (each first produce timed:
+  the last one runs on a listener already holding the others), and the same CPU is measured again
+  with no traffic.
 
     .venv/bin/python bench/kafka.py --phases open,failover,idle
 """
@@ -304,20 +305,27 @@ def phase_open(args, cluster, base: Path, results: dict) -> None:
         created = create_topic(bootstrap, "bench-open", n)
         others = {"bookies": [b.popen.pid for b in cluster.bookies], "etcd": [cluster.etcd.popen.pid]}
         c0, o0 = cpu_s(proc.pid), {k: sum(cpu_s(p) for p in v) for k, v in others.items()}
-        spies = py_spy(args, proc.pid, base / "listener-open")
+        spies = py_spy(args, proc.pid, base / "listener-open") + py_spy(args, cluster.bookies[0].popen.pid,
+                                                                       base / "bookie0-open")
         first = produce_each(bootstrap, "bench-open", n, args.records_per_partition)
         stop_py_spy(spies)
         first["listener_cpu_s"] = cpu_s(proc.pid) - c0
         for k, v in others.items():
             first[f"{k}_cpu_s"] = sum(cpu_s(p) for p in v) - o0[k]
+        c0, o0 = cpu_s(proc.pid), {k: sum(cpu_s(p) for p in v) for k, v in others.items()}
         again = produce_each(bootstrap, "bench-open", n, args.records_per_partition)
+        again["listener_cpu_s"] = cpu_s(proc.pid) - c0
+        for k, v in others.items():
+            again[f"{k}_cpu_s"] = sum(cpu_s(p) for p in v) - o0[k]
         results["open"] = {"create_topic_s": created, "first_produce": first, "open_produce": again}
         print(f"open: first produce to {n} new partitions ({args.records_per_partition} records each, acks=all): "
               f"{first['seconds']:.2f} s, {first['records_per_s']:,.0f} records/s, every partition's first record "
               f"acknowledged after {first['all_partitions_acked_s']:.2f} s, errors {first['errors']}, "
               f"CPU s: listener {first['listener_cpu_s']:.1f}, bookies {first['bookies_cpu_s']:.1f}, etcd "
               f"{first['etcd_cpu_s']:.1f} (topic created in {created:.1f} s); the same produce "
-              f"once open: {again['seconds']:.2f} s, {again['records_per_s']:,.0f} records/s", flush=True)
+              f"once open: {again['seconds']:.2f} s, {again['records_per_s']:,.0f} records/s, CPU s: listener "
+              f"{again['listener_cpu_s']:.1f}, bookies {again['bookies_cpu_s']:.1f}, etcd {again['etcd_cpu_s']:.1f}",
+              flush=True)
     finally:
         stop_listener(proc)
 
@@ -369,7 +377,23 @@ def phase_idle(args, cluster, base: Path, results: dict) -> None:
     proc, port = start_listener(cluster, base, node_id=3)
     bootstrap = f"127.0.0.1:{port}"
     out: dict = {"first_produces": []}
+    pids = {"listener": proc.pid, "etcd": cluster.etcd.popen.pid,
+            **{f"bookie-{i}": bk.popen.pid for i, bk in enumerate(cluster.bookies)}}
+
+    def idle_cpu(seconds: float) -> dict:
+        c0 = {k: cpu_s(p) for k, p in pids.items()}
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        dt = time.perf_counter() - t0
+        return {k: (cpu_s(p) - c0[k]) / dt * 100 for k, p in pids.items()}
+
     try:
+        time.sleep(args.idle_settle_seconds)
+        base_share = idle_cpu(args.idle_seconds)  # the same processes with no partition open
+        out["baseline_cpu_percent_of_a_core"] = base_share
+        print("idle: no partition open, " f"{args.idle_seconds:.0f} s: listener + bookies + etcd use "
+              f"{sum(base_share.values()):.2f}% of a core (" + ", ".join(f"{k} {v:.2f}%" for k, v in base_share.items())
+              + ")", flush=True)
         opened, k = 0, 0
         while opened < args.idle_partitions:
             n = min(500, args.idle_partitions - opened)
@@ -383,16 +407,11 @@ def phase_idle(args, cluster, base: Path, results: dict) -> None:
             opened += n
             k += 1
         time.sleep(args.idle_settle_seconds)
-        pids = {"listener": proc.pid, "etcd": cluster.etcd.popen.pid,
-                **{f"bookie-{i}": bk.popen.pid for i, bk in enumerate(cluster.bookies)}}
-        c0 = {k: cpu_s(p) for k, p in pids.items()}
-        t0 = time.perf_counter()
-        time.sleep(args.idle_seconds)
-        dt = time.perf_counter() - t0
-        share = {k: (cpu_s(p) - c0[k]) / dt * 100 for k, p in pids.items()}
-        out.update(partitions=opened, seconds=dt, cpu_percent_of_a_core=share, total_percent=sum(share.values()))
+        share = idle_cpu(args.idle_seconds)
+        out.update(partitions=opened, seconds=args.idle_seconds, cpu_percent_of_a_core=share,
+                   total_percent=sum(share.values()))
         results["idle"] = out
-        print(f"idle: {opened} open partitions, no traffic, {dt:.0f} s: listener + bookies + etcd use "
+        print(f"idle: {opened} open partitions, no traffic, {args.idle_seconds:.0f} s: listener + bookies + etcd use "
               f"{out['total_percent']:.2f}% of a core (" + ", ".join(f"{k} {v:.2f}%" for k, v in share.items()) + ")",
               flush=True)
     finally:
