@@ -147,9 +147,13 @@ class Ownership:
         self._valid_until = started + self.ttl_s
 
     async def _keepalive(self) -> None:
+        failed = False
         while True:
-            await asyncio.sleep(self.ttl_s / 3 if self.valid else min(0.25, self.ttl_s / 4))
+            # after a failed refresh (a timeout while the store or this process is busy) retry soon:
+            # waiting the usual third of the TTL again could let the lease run out
+            await asyncio.sleep(self.ttl_s / 3 if self.valid and not failed else min(0.25, self.ttl_s / 4))
             sent = time.monotonic()
+            failed = False
             try:
                 await self._lease.refresh()
                 self._valid_until = sent + self.ttl_s
@@ -161,6 +165,7 @@ class Ownership:
                 except Exception as exc:
                     log.warning("node %d: registering again failed: %r", self.node_id, exc)
             except Exception as exc:
+                failed = True
                 log.warning("node %d: refreshing the lease failed: %r", self.node_id, exc)
 
     def _lost(self, why: str) -> None:

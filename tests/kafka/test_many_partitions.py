@@ -190,3 +190,36 @@ def test_sigkilled_listener_many_partitions_served_by_survivor(tmp_path, topic):
         assert [v for _, v in got[part]] == [b"a%d-%d" % (part, i) for i in range(per)] + [b"b%d-0" % part]
     stored = {(part, o): v for part in range(parts) for o, v in got[part]}
     assert all(stored[(part, off)] == v for _, part, off, v in before + after)
+
+
+def test_lease_refresh_is_retried_soon_after_a_failure(monkeypatch):
+    """A refresh that fails (the store busy with an open storm) is retried within a quarter second,
+    not a third of the TTL later, which could let the lease run out and drop every partition."""
+    from compat_kafka.ownership import Ownership
+    from fragments.memstore import MemoryLease, MemoryStore
+    from fragments.store import MetadataUnavailable
+
+    calls: list[float] = []
+    orig = MemoryLease.refresh
+
+    async def flaky_refresh(lease):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise MetadataUnavailable("busy")
+        await orig(lease)
+
+    monkeypatch.setattr(MemoryLease, "refresh", flaky_refresh)
+
+    async def body():
+        own = Ownership(MemoryStore(), "127.0.0.1", 9092, node_id=1, ttl_s=3.0)
+        await own.start()
+        try:
+            deadline = time.monotonic() + 5
+            while len(calls) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            await own.close()
+
+    asyncio.run(body())
+    assert len(calls) >= 2
+    assert calls[1] - calls[0] < 0.6  # the usual interval is ttl/3 = 1 s
