@@ -107,6 +107,11 @@ class BrokerConfig:
             raise ValueError(f"node_id must be 0..2**31-1, not {self.node_id}")
 
 
+def _ignore_outcome(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: the request's handler meets (and answers) the same error
+
+
 class Broker:
     def __init__(self, client, config: BrokerConfig | None = None):
         self.client = client
@@ -136,6 +141,23 @@ class Broker:
         self.admin = Admin(self)  # configs, partitions, cluster (admin.py)
         self._handlers.update(self.groups.handlers())
         self._handlers.update(self.admin.handlers())
+
+    def prepare(self, req: codec.Request) -> None:
+        """Called as a request is read, before it is handled (requests of one connection may be
+        handled one at a time, in order): a produce starts opening its partitions now, so that a
+        client sending one partition per request (librdkafka) still has its partitions opened
+        concurrently (bounded by ``max_concurrent_opens``). Opening is no effect a client can see;
+        the appends still happen when the request is handled, in order. Errors are left for the
+        handler (it opens again and answers them)."""
+        if req.api_key != codec.API_PRODUCE or getattr(req.body, "acks", None) not in (-1, 0, 1):
+            return
+        for t in req.body.topic_data:
+            for p in t.partition_data:
+                plog = self._logs.get((t.name, p.index))
+                if plog is not None and plog.usable and plog.writable:
+                    continue
+                fut = asyncio.ensure_future(self.partition(t.name, p.index, write=True))
+                fut.add_done_callback(_ignore_outcome)
 
     async def handle(self, req: codec.Request) -> Any:
         resp_cls = _response_schema(req.api_key, req.api_version)

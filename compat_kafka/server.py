@@ -132,6 +132,7 @@ class KafkaServer:
                     raise
                 await queue.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
                 continue
+            self.broker.prepare(req)  # e.g. start opening a produce's partitions (no effect a client sees)
             await queue.put(asyncio.create_task(self._respond(req)))
 
     async def _respond(self, req: codec.Request) -> bytes | None:
