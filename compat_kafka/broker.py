@@ -455,9 +455,15 @@ class Broker:
         partition, or the error its open raised. Nothing is opened for a request refused whole."""
         if len(keys) < 2 or req.acks not in (-1, 0, 1) or req.transactional_id is not None:
             return {}
-        keys = list(dict.fromkeys(keys))
-        results = await asyncio.gather(*(self.partition(t, i, write=True) for t, i in keys), return_exceptions=True)
-        return dict(zip(keys, results))
+        todo = []
+        for key in dict.fromkeys(keys):  # the steady state: every partition open already, nothing to do
+            plog = self._logs.get(key)
+            if plog is None or not plog.usable or not plog.writable or not self.ownership.owns(partition_key(*key)):
+                todo.append(key)
+        if len(todo) < 2:
+            return {}
+        results = await asyncio.gather(*(self.partition(t, i, write=True) for t, i in todo), return_exceptions=True)
+        return dict(zip(todo, results))
 
     async def _await_acks(self, futs, base: int, plog: PartitionLog, timeout_s: float):
         if not futs:
