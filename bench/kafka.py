@@ -25,6 +25,25 @@ flame graph SVG and the top functions.
     .venv/bin/python bench/kafka.py                                # 300k records, 4 partitions
     .venv/bin/python bench/kafka.py --records 100000 --json bench/results/kafka.json
     .venv/bin/python bench/kafka.py --profile --py-spy /tmp/pyspy/bin/py-spy
+
+Many partitions (``--phases open,failover,idle``; each phase starts listeners of its own):
+
+* open: the first produce to a new topic of ``--open-partitions`` partitions
+  (``--records-per-partition`` records each, confluent-kafka, acks=all): wall time from the first
+  produce() to the last delivery report, and records/s; then the same produce again, once the
+  partitions are open, for comparison.
+* failover: listener A (node 1) alone takes ``--failover-partitions`` partitions with a first
+  produce; listener B (node 2) starts; A is SIGKILLed. The time from A's lease expiry (its broker
+  key vanishing from etcd, polled every 10 ms) until one record more has been acknowledged on every
+  partition through B (a confluent-kafka producer started at the expiry), and B's log of partitions
+  opened.
+* idle: the CPU of the listener, the three bookies and etcd over ``--idle-seconds`` (from /proc,
+  as a share of one core) with no partition open; then topics of 500 partitions are opened by
+  first produces until ``--idle-partitions`` are open on the listener (each first produce timed:
+  the last one runs on a listener already holding the others), and the same CPU is measured again
+  with no traffic.
+
+    .venv/bin/python bench/kafka.py --phases open,failover,idle
 """
 
 from __future__ import annotations
@@ -179,6 +198,226 @@ def consume_all(bootstrap: str, topic: str, partitions: int, records: int, value
     return {"records": got, "seconds": dt, "records_per_s": got / dt, "mb_per_s": got * value_bytes / dt / 1e6}
 
 
+def wait_port(port: int, proc: subprocess.Popen | None = None, timeout_s: float = 60.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"listener exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on port {port} after {timeout_s}s")
+
+
+def start_listener(cluster, base: Path, node_id: int, lease_ttl_s: float = 10.0) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    log = open(base / f"listener-{node_id}-{port}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", cluster.metadata_url,
+                             "--port", str(port), "--node-id", str(node_id), "--lease-ttl", str(lease_ttl_s)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    wait_port(port, proc)
+    return proc, port
+
+
+def stop_listener(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def create_topic(bootstrap: str, topic: str, partitions: int) -> float:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    t0 = time.perf_counter()
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
+                        request_timeout=120)[topic].result(timeout=180)
+    return time.perf_counter() - t0
+
+
+def produce_each(bootstrap: str, topic: str, partitions: int, per_partition: int, value_bytes: int = 100) -> dict:
+    """``per_partition`` records to every partition (acks=all): seconds from the first produce()
+    to the last delivery report, records/s, errors."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
+                  "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 2_097_151})
+    value = os.urandom(value_bytes)
+    errors: list[str] = []
+    delivered = [0]
+    first_ack: dict[int, float] = {}
+
+    def report(err, msg):
+        if err is not None:
+            errors.append(str(err))
+        else:
+            delivered[0] += 1
+            first_ack.setdefault(msg.partition(), time.perf_counter())
+
+    p.list_topics(topic, timeout=30)
+    t0 = time.perf_counter()
+    for _ in range(per_partition):
+        for part in range(partitions):
+            while True:
+                try:
+                    p.produce(topic, value=value, partition=part, on_delivery=report)
+                    break
+                except BufferError:
+                    p.poll(0.005)
+        p.poll(0)
+    left = p.flush(600)
+    dt = time.perf_counter() - t0
+    n = partitions * per_partition
+    every = max(first_ack.values()) - t0 if len(first_ack) == partitions else float("nan")
+    return {"partitions": partitions, "records": n, "seconds": dt, "records_per_s": n / dt,
+            "all_partitions_acked_s": every,
+            "delivered": delivered[0], "errors": len(errors) + left, "first_error": errors[0] if errors else None}
+
+
+def py_spy(args, pid: int, prefix: Path) -> list:
+    """py-spy on ``pid`` (with ``--profile``): a flame graph and raw stacks at ``prefix``.{svg,txt}."""
+    if not args.profile:
+        return []
+    return [subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-f", fmt, "-o", f"{prefix}.{ext}",
+                              "--nonblocking", "-r", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for fmt, ext in (("flamegraph", "svg"), ("raw", "txt"))]
+
+
+def stop_py_spy(spies: list) -> None:
+    for sp in spies:
+        sp.send_signal(2)
+        sp.wait(30)
+
+
+def phase_open(args, cluster, base: Path, results: dict) -> None:
+    proc, port = start_listener(cluster, base, node_id=0)
+    bootstrap = f"127.0.0.1:{port}"
+    try:
+        n = args.open_partitions
+        created = create_topic(bootstrap, "bench-open", n)
+        others = {"bookies": [b.popen.pid for b in cluster.bookies], "etcd": [cluster.etcd.popen.pid]}
+        c0, o0 = cpu_s(proc.pid), {k: sum(cpu_s(p) for p in v) for k, v in others.items()}
+        spies = py_spy(args, proc.pid, base / "listener-open") + py_spy(args, cluster.bookies[0].popen.pid,
+                                                                       base / "bookie0-open")
+        first = produce_each(bootstrap, "bench-open", n, args.records_per_partition)
+        stop_py_spy(spies)
+        first["listener_cpu_s"] = cpu_s(proc.pid) - c0
+        for k, v in others.items():
+            first[f"{k}_cpu_s"] = sum(cpu_s(p) for p in v) - o0[k]
+        c0, o0 = cpu_s(proc.pid), {k: sum(cpu_s(p) for p in v) for k, v in others.items()}
+        again = produce_each(bootstrap, "bench-open", n, args.records_per_partition)
+        again["listener_cpu_s"] = cpu_s(proc.pid) - c0
+        for k, v in others.items():
+            again[f"{k}_cpu_s"] = sum(cpu_s(p) for p in v) - o0[k]
+        results["open"] = {"create_topic_s": created, "first_produce": first, "open_produce": again}
+        print(f"open: first produce to {n} new partitions ({args.records_per_partition} records each, acks=all): "
+              f"{first['seconds']:.2f} s, {first['records_per_s']:,.0f} records/s, every partition's first record "
+              f"acknowledged after {first['all_partitions_acked_s']:.2f} s, errors {first['errors']}, "
+              f"CPU s: listener {first['listener_cpu_s']:.1f}, bookies {first['bookies_cpu_s']:.1f}, etcd "
+              f"{first['etcd_cpu_s']:.1f} (topic created in {created:.1f} s); the same produce "
+              f"once open: {again['seconds']:.2f} s, {again['records_per_s']:,.0f} records/s, CPU s: listener "
+              f"{again['listener_cpu_s']:.1f}, bookies {again['bookies_cpu_s']:.1f}, etcd {again['etcd_cpu_s']:.1f}",
+              flush=True)
+    finally:
+        stop_listener(proc)
+
+
+async def _wait_key_gone(url: str, key: str, timeout_s: float) -> float:
+    """time.perf_counter() at which ``key`` was first seen absent (polled every 10 ms)."""
+    client = await connect(url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if await client.cluster.store.get(key) is None:
+                return time.perf_counter()
+            await asyncio.sleep(0.01)
+        raise RuntimeError(f"{key} still present after {timeout_s}s")
+    finally:
+        await client.close()
+
+
+def phase_failover(args, cluster, base: Path, results: dict) -> None:
+    n, ttl = args.failover_partitions, args.lease_ttl
+    a, a_port = start_listener(cluster, base, node_id=1, lease_ttl_s=ttl)
+    b = None
+    try:
+        topic = "bench-failover"
+        create_topic(f"127.0.0.1:{a_port}", topic, n)
+        first = produce_each(f"127.0.0.1:{a_port}", topic, n, args.records_per_partition)
+        print(f"failover: listener A took {n} partitions with a first produce in {first['seconds']:.2f} s "
+              f"(errors {first['errors']})", flush=True)
+        b, b_port = start_listener(cluster, base, node_id=2, lease_ttl_s=ttl)
+        time.sleep(1.0)  # B's registration is listed
+        a.kill()
+        killed = time.perf_counter()
+        a.wait(10)
+        expired = asyncio.run(_wait_key_gone(cluster.metadata_url, "kafka/brokers/1", 3 * ttl + 30))
+        again = produce_each(f"127.0.0.1:{b_port}", topic, n, 1)
+        serving = time.perf_counter()
+        results["failover"] = {"partitions": n, "lease_ttl_s": ttl, "kill_to_expiry_s": expired - killed,
+                               "expiry_to_all_serving_s": serving - expired, "produce_after": again}
+        print(f"failover: SIGKILL -> lease expiry {expired - killed:.2f} s (TTL {ttl} s); lease expiry -> every one "
+              f"of {n} partitions acknowledged a record on the survivor: {serving - expired:.2f} s "
+              f"(errors {again['errors']}{', ' + again['first_error'] if again['first_error'] else ''})", flush=True)
+    finally:
+        if b is not None:
+            stop_listener(b)
+        stop_listener(a)
+
+
+def phase_idle(args, cluster, base: Path, results: dict) -> None:
+    proc, port = start_listener(cluster, base, node_id=3)
+    bootstrap = f"127.0.0.1:{port}"
+    out: dict = {"first_produces": []}
+    pids = {"listener": proc.pid, "etcd": cluster.etcd.popen.pid,
+            **{f"bookie-{i}": bk.popen.pid for i, bk in enumerate(cluster.bookies)}}
+
+    def idle_cpu(seconds: float) -> dict:
+        c0 = {k: cpu_s(p) for k, p in pids.items()}
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        dt = time.perf_counter() - t0
+        return {k: (cpu_s(p) - c0[k]) / dt * 100 for k, p in pids.items()}
+
+    try:
+        time.sleep(args.idle_settle_seconds)
+        base_share = idle_cpu(args.idle_seconds)  # the same processes with no partition open
+        out["baseline_cpu_percent_of_a_core"] = base_share
+        print("idle: no partition open, " f"{args.idle_seconds:.0f} s: listener + bookies + etcd use "
+              f"{sum(base_share.values()):.2f}% of a core (" + ", ".join(f"{k} {v:.2f}%" for k, v in base_share.items())
+              + ")", flush=True)
+        opened, k = 0, 0
+        while opened < args.idle_partitions:
+            n = min(500, args.idle_partitions - opened)
+            topic = f"bench-idle-{k}"
+            create_topic(bootstrap, topic, n)
+            r = produce_each(bootstrap, topic, n, args.records_per_partition)
+            r["already_open"] = opened
+            out["first_produces"].append(r)
+            print(f"idle: first produce to {n} new partitions with {opened} open: {r['seconds']:.2f} s, "
+                  f"{r['records_per_s']:,.0f} records/s, errors {r['errors']}", flush=True)
+            opened += n
+            k += 1
+        time.sleep(args.idle_settle_seconds)
+        share = idle_cpu(args.idle_seconds)
+        out.update(partitions=opened, seconds=args.idle_seconds, cpu_percent_of_a_core=share,
+                   total_percent=sum(share.values()))
+        results["idle"] = out
+        print(f"idle: {opened} open partitions, no traffic, {args.idle_seconds:.0f} s: listener + bookies + etcd use "
+              f"{out['total_percent']:.2f}% of a core (" + ", ".join(f"{k} {v:.2f}%" for k, v in share.items()) + ")",
+              flush=True)
+    finally:
+        stop_listener(proc)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=300_000)
@@ -191,16 +430,43 @@ def main() -> int:
     ap.add_argument("--py-spy", default="py-spy")
     ap.add_argument("--dir", default=None, help="cluster directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--phases", default="throughput",
+                    help="comma-separated: throughput (reference, produce, paced, consume), open, failover, idle")
+    ap.add_argument("--open-partitions", type=int, default=500)
+    ap.add_argument("--records-per-partition", type=int, default=100)
+    ap.add_argument("--failover-partitions", type=int, default=500)
+    ap.add_argument("--lease-ttl", type=float, default=5.0, help="listeners' lease TTL in the failover phase")
+    ap.add_argument("--idle-partitions", type=int, default=2000)
+    ap.add_argument("--idle-seconds", type=float, default=20.0)
+    ap.add_argument("--idle-settle-seconds", type=float, default=5.0)
     args = ap.parse_args()
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - {"throughput", "open", "failover", "idle"}
+    if unknown:
+        ap.error(f"unknown phases {sorted(unknown)}")
 
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-kafka-"))
     cluster = LocalCluster(base / "scroll", bookies=3).start()
+    results: dict = {"args": vars(args), "load_avg_start": os.getloadavg()}
+    try:
+        for phase in phases:
+            {"throughput": throughput, "open": phase_open, "failover": phase_failover, "idle": phase_idle}[phase](
+                args, cluster, base, results)
+        results["load_avg_end"] = os.getloadavg()
+        print(f"load average {results['load_avg_start'][0]:.2f} -> {results['load_avg_end'][0]:.2f}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+    finally:
+        cluster.stop()
+    return 0
+
+
+def throughput(args, cluster, base: Path, results: dict) -> None:
     port = free_port()
     log = open(base / "shim.log", "wb")
     shim = subprocess.Popen([sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", cluster.metadata_url,
                              "--port", str(port), "--node-id", "0"], stdout=log, stderr=subprocess.STDOUT)
     bootstrap = f"127.0.0.1:{port}"
-    results: dict = {"args": vars(args), "load_avg_start": os.getloadavg()}
     try:
         import socket
 
@@ -292,8 +558,6 @@ def main() -> int:
               f"load average {results['load_avg_start'][0]:.1f} -> {results['load_avg_end'][0]:.1f}")
         if args.profile:
             print(f"profiles: {base}/shim-{{produce,consume}}.{{svg,txt}}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
     finally:
         shim.terminate()
         try:
@@ -301,8 +565,6 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             shim.kill()
         log.close()
-        cluster.stop()
-    return 0
 
 
 if __name__ == "__main__":

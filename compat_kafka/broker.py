@@ -66,6 +66,8 @@ from .transactions import error_code as txn_error_code
 log = logging.getLogger(__name__)
 
 _REFRESH_SOME = "some"  # see Broker._caught_up_now
+SNAPSHOT_CONCURRENCY = 32  # producer-state snapshot writes in flight at once
+TOPIC_FOR_OPEN_S = 1.0  # partitions opened within this long of each other share one read of their topic
 
 # kio resolves a schema through importlib on every call (~3% of the shim's CPU under produce load)
 _response_schema = functools.lru_cache(maxsize=None)(codec.response_schema)
@@ -96,6 +98,9 @@ class BrokerConfig:
     # bookies on a fetch at most this often (see Broker._caught_up_now); 0: on every fetch
     partition_refresh_s: float = 0.5
     max_fetch_sessions: int = 1000
+    # partitions being opened (claimed and taken over) at once: a first produce to a new topic
+    # opens all its partitions concurrently, up to this many in flight
+    max_concurrent_opens: int = 32
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     groups: GroupConfig = field(default_factory=GroupConfig)
     transactions: TxnConfig = field(default_factory=TxnConfig)
@@ -109,8 +114,15 @@ class BrokerConfig:
             raise ValueError("invalid fetch limits")
         if self.lease_ttl_s < 1.0:
             raise ValueError("lease_ttl_s must be at least 1 s")
+        if self.max_concurrent_opens < 1:
+            raise ValueError("max_concurrent_opens must be at least 1")
         if self.node_id is not None and not 0 <= self.node_id < 2**31:
             raise ValueError(f"node_id must be 0..2**31-1, not {self.node_id}")
+
+
+def _ignore_outcome(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: the request's handler meets (and answers) the same error
 
 
 class Broker:
@@ -120,6 +132,9 @@ class Broker:
         self.config = config or BrokerConfig()
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._opening: dict[tuple[str, int], asyncio.Future] = {}
+        self._open_slots = asyncio.Semaphore(self.config.max_concurrent_opens)
+        self._topic_reads: dict[str, tuple[float, asyncio.Future]] = {}  # see _topic_for_open
+        self._snapshotter: asyncio.Task | None = None  # one for all partitions (see _snapshot_loop)
         self._appended = asyncio.Event()
         c = self.config
         self.ownership = Ownership(self.store, c.host, c.port, c.node_id, c.lease_ttl_s, on_lost=self._on_lost)
@@ -142,6 +157,23 @@ class Broker:
         self._handlers.update(self.groups.handlers())
         self._handlers.update(self.admin.handlers())
         self._handlers.update(self.txn.handlers())
+
+    def prepare(self, req: codec.Request) -> None:
+        """Called as a request is read, before it is handled (requests of one connection may be
+        handled one at a time, in order): a produce starts opening its partitions now, so that a
+        client sending one partition per request (librdkafka) still has its partitions opened
+        concurrently (bounded by ``max_concurrent_opens``). Opening is no effect a client can see;
+        the appends still happen when the request is handled, in order. Errors are left for the
+        handler (it opens again and answers them)."""
+        if req.api_key != codec.API_PRODUCE or getattr(req.body, "acks", None) not in (-1, 0, 1):
+            return
+        for t in req.body.topic_data:
+            for p in t.partition_data:
+                plog = self._logs.get((t.name, p.index))
+                if plog is not None and plog.usable and plog.writable:
+                    continue
+                fut = asyncio.ensure_future(self.partition(t.name, p.index, write=True))
+                fut.add_done_callback(_ignore_outcome)
 
     async def handle(self, req: codec.Request) -> Any:
         resp_cls = _response_schema(req.api_key, req.api_version)
@@ -179,6 +211,10 @@ class Broker:
         self.txn.forget()  # transactional ids may have moved too: load them again when claimed
 
     async def close(self) -> None:
+        if self._snapshotter is not None:
+            self._snapshotter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._snapshotter
         logs, self._logs = list(self._logs.values()), {}
         for p in logs:
             await p.close()
@@ -220,10 +256,12 @@ class Broker:
             raise TopicAlreadyExists(str(exc)) from None
         # reused streams too; the broker's log.retention.* where the topic sets none
         await self.admin.apply_retention(name, range(partitions), await self.admin.topic_configs_in_force(configs))
+        self._topic_reads.pop(name, None)
         log.info("topic=%s created with %d partitions", name, partitions)
         return meta
 
     async def delete_topic(self, meta: TopicMeta) -> None:
+        self._topic_reads.pop(meta.name, None)
         for p in range(meta.partitions):
             plog = self._logs.pop((meta.name, p), None)
             if plog is not None:
@@ -264,18 +302,20 @@ class Broker:
             if self.ownership.owns(partition_key(topic, index)):
                 return plog
             raise NotLeaderOrFollower(f"{topic} partition {index} is not served by node {self.node_id} now")
-        meta = await self.topic(topic)
+        meta = await self._topic_for_open(topic)
         if meta is None or not 0 <= index < meta.partitions:
             raise UnknownTopicOrPartition(f"unknown topic or partition {topic} partition {index}")
-        if not await self.ownership.claim(partition_key(topic, index)):
-            raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
-                                      f"{self.node_id})")
-        plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append, writable=write)
-        try:
-            await plog.open()
-        except BaseException:
-            await plog.close()
-            raise
+        async with self._open_slots:  # bounded: opens of many partitions run concurrently
+            if not await self.ownership.claim(partition_key(topic, index)):
+                raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
+                                          f"{self.node_id})")
+            plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append,
+                                writable=write)
+            try:
+                await plog.open()
+            except BaseException:
+                await plog.close()
+                raise
         if not self.ownership.owns(partition_key(topic, index)):  # lost while opening
             await plog.close()
             raise NotLeaderOrFollower(f"{topic} partition {index}: node {self.node_id} lost its lease while opening")
@@ -286,7 +326,37 @@ class Broker:
                 return old
             asyncio.ensure_future(old.close())
         self._logs[(topic, index)] = plog
+        if write and self._snapshotter is None:
+            self._snapshotter = asyncio.get_running_loop().create_task(self._snapshot_loop(), name="kafka-snapshots")
         return plog
+
+    async def _snapshot_loop(self) -> None:
+        """Producer-state snapshots of every writable partition that had batches acknowledged since
+        its last one (``PartitionLog.snapshot_if_due``): one timer for the listener, however many
+        partitions are open, and a bounded number of snapshot writes in flight."""
+        while True:
+            await asyncio.sleep(self.config.partition.snapshot_interval_s)
+            due = [p for p in self._logs.values() if p.snapshot_due]
+            for i in range(0, len(due), SNAPSHOT_CONCURRENCY):
+                await asyncio.gather(*(p.snapshot_if_due() for p in due[i:i + SNAPSHOT_CONCURRENCY]))
+
+    async def _topic_for_open(self, name: str) -> TopicMeta | None:
+        """The topic, as ``topic`` answers it, read once for the partitions of a topic opened
+        together (a first produce opens hundreds): a read started less than ``TOPIC_FOR_OPEN_S``
+        ago is shared. Partitions only grow, and a deleted topic's streams are gone (the
+        take-over fails), so a slightly old answer cannot open a partition that never was."""
+        loop = asyncio.get_running_loop()
+        got = self._topic_reads.get(name)
+        if got is None or loop.time() - got[0] > TOPIC_FOR_OPEN_S or (got[1].done() and got[1].exception()):
+            got = (loop.time(), asyncio.ensure_future(self.topic(name)))
+            self._topic_reads[name] = got
+            if len(self._topic_reads) > 1024:
+                self._topic_reads = {k: v for k, v in self._topic_reads.items()
+                                     if loop.time() - v[0] <= TOPIC_FOR_OPEN_S}
+        meta = await asyncio.shield(got[1])
+        if meta is None:
+            self._topic_reads.pop(name, None)  # unknown now: the next open asks again
+        return meta
 
     def _notify_append(self) -> None:
         ev, self._appended = self._appended, asyncio.Event()
@@ -364,6 +434,7 @@ class Broker:
         results: dict[tuple[str, int], tuple[BaseException | None, int, int]] = {}
         order = [(t.name, p.index) for t in req.topic_data for p in t.partition_data]
         idempotent = False
+        opened = await self._open_for_produce(req, order)
         for t in req.topic_data:
             for p in t.partition_data:
                 try:
@@ -371,7 +442,11 @@ class Broker:
                         raise InvalidRequiredAcks(f"acks must be -1, 0 or 1, not {req.acks}")
                     batches = split_batches(p.records or b"")
                     idempotent = idempotent or any(b.producer_id >= 0 for b in batches)
-                    plog = await self.partition(t.name, p.index, write=True)
+                    plog = opened.pop((t.name, p.index), None)
+                    if isinstance(plog, Exception):
+                        raise plog
+                    if not isinstance(plog, PartitionLog):
+                        plog = await self.partition(t.name, p.index, write=True)
                     await self._check_transactional(req.transactional_id, batches, plog)
                     base, futs = await plog.append(batches)
                     pending.append((t.name, p.index, base, futs, plog))
@@ -410,6 +485,22 @@ class Broker:
         for b in txn:
             await self.txn.check_produce(txn_id, b.producer_id, b.producer_epoch, plog.topic, plog.partition,
                                          plog.txns.ongoing_at(b.producer_id, b.producer_epoch))
+
+    async def _open_for_produce(self, req, keys: list[tuple[str, int]]) -> dict:
+        """Open every partition of a produce request at once (each open is a take-over: one after
+        another they would add up), before its batches are appended in request order: key -> the
+        partition, or the error its open raised. Nothing is opened for a request refused whole."""
+        if len(keys) < 2 or req.acks not in (-1, 0, 1):
+            return {}
+        todo = []
+        for key in dict.fromkeys(keys):  # the steady state: every partition open already, nothing to do
+            plog = self._logs.get(key)
+            if plog is None or not plog.usable or not plog.writable or not self.ownership.owns(partition_key(*key)):
+                todo.append(key)
+        if len(todo) < 2:
+            return {}
+        results = await asyncio.gather(*(self.partition(t, i, write=True) for t, i in todo), return_exceptions=True)
+        return dict(zip(todo, results))
 
     async def _await_acks(self, futs, base: int, plog: PartitionLog, timeout_s: float):
         if not futs:

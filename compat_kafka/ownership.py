@@ -55,6 +55,7 @@ OWNERS = "kafka/owners/"
 COORDINATORS = "kafka/coordinators/"
 TXN_COORDINATORS = "kafka/coordinators-txn/"
 NODE_ID_COUNTER = "kafka/node-ids"
+CLAIM_LIVE_MAX_AGE_S = 0.5  # how old the listing of live shims a claim decides from may be
 
 
 class NodeIdInUse(MetadataError):
@@ -109,8 +110,9 @@ class Ownership:
         self._lease: Lease | None = None
         self._valid_until = 0.0
         self._task: asyncio.Task | None = None
-        self._claim_lock = asyncio.Lock()
+        self._claiming: dict[str, asyncio.Future] = {}  # resource -> the claim in flight
         self._brokers_cache: tuple[float, list[BrokerInfo]] = (0.0, [])
+        self._listing: asyncio.Future | None = None  # the listing of the live shims in flight
         self.started = False
 
     @property
@@ -145,9 +147,13 @@ class Ownership:
         self._valid_until = started + self.ttl_s
 
     async def _keepalive(self) -> None:
+        failed = False
         while True:
-            await asyncio.sleep(self.ttl_s / 3 if self.valid else min(0.25, self.ttl_s / 4))
+            # after a failed refresh (a timeout while the store or this process is busy) retry soon:
+            # waiting the usual third of the TTL again could let the lease run out
+            await asyncio.sleep(self.ttl_s / 3 if self.valid and not failed else min(0.25, self.ttl_s / 4))
             sent = time.monotonic()
+            failed = False
             try:
                 await self._lease.refresh()
                 self._valid_until = sent + self.ttl_s
@@ -159,6 +165,7 @@ class Ownership:
                 except Exception as exc:
                     log.warning("node %d: registering again failed: %r", self.node_id, exc)
             except Exception as exc:
+                failed = True
                 log.warning("node %d: refreshing the lease failed: %r", self.node_id, exc)
 
     def _lost(self, why: str) -> None:
@@ -190,6 +197,15 @@ class Ownership:
         at, cached = self._brokers_cache
         if max_age_s > 0 and time.monotonic() - at < max_age_s:
             return cached
+        if max_age_s > 0 and self._listing is not None:  # many callers at once share one listing
+            return await asyncio.shield(self._listing)
+        listing = asyncio.ensure_future(self._list_brokers())
+        if max_age_s > 0:
+            self._listing = listing
+            listing.add_done_callback(lambda f: setattr(self, "_listing", None) if self._listing is f else None)
+        return await asyncio.shield(listing)
+
+    async def _list_brokers(self) -> list[BrokerInfo]:
         out = []
         for k, v in await self.store.list_prefix(BROKERS):
             try:
@@ -234,31 +250,41 @@ class Ownership:
         return self.owner_among(resource, holder, live)
 
     async def claim(self, resource: str) -> bool:
-        """Whether this shim owns ``resource`` now, claiming it if it is unowned and we are preferred."""
+        """Whether this shim owns ``resource`` now, claiming it if it is unowned and we are preferred.
+
+        One store round trip when the live shims are known (a listing at most ``CLAIM_LIVE_MAX_AGE_S``
+        old: a shim that joined since may lose a resource it would have been preferred for, which
+        sticky ownership allows anyway; one that died since is still listed, so we may decline for
+        that long and the client retries). Claims of different resources run concurrently (a
+        first produce to a new topic claims all its partitions at once); claims of one resource
+        share one attempt."""
         if self.owns(resource):
             return True
         if not self.valid:
             return False
-        async with self._claim_lock:
-            if self.owns(resource):
-                return True
-            if await self.store.get(resource) is not None:
-                return False  # held by another live shim (or our own previous lease, until it expires)
-            live = [b.node_id for b in await self.brokers()]
-            if self.node_id not in live:
-                return False
-            if preferred(resource, live) != self.node_id:
-                return False
-            lease = self._lease
-            try:
-                created = await self.store.create(resource, str(self.node_id).encode(), lease=lease)
-            except LeaseExpired:
-                return False
-            if created is None or lease is not self._lease or not self.valid:
-                return False
-            self.held.add(resource)
-            log.info("node %d: claimed %s", self.node_id, resource)
-            return True
+        pending = self._claiming.get(resource)
+        if pending is None:
+            pending = asyncio.ensure_future(self._claim(resource))
+            self._claiming[resource] = pending
+            pending.add_done_callback(lambda _f: self._claiming.pop(resource, None))
+        return await asyncio.shield(pending)
+
+    async def _claim(self, resource: str) -> bool:
+        live = [b.node_id for b in await self.brokers(max_age_s=CLAIM_LIVE_MAX_AGE_S)]
+        if self.node_id not in live or preferred(resource, live) != self.node_id:
+            return False
+        lease = self._lease
+        try:
+            # create-if-absent: a key held by another live shim (or by our own previous lease,
+            # until it expires) is left alone
+            created = await self.store.create(resource, str(self.node_id).encode(), lease=lease)
+        except LeaseExpired:
+            return False
+        if created is None or lease is not self._lease or not self.valid:
+            return False
+        self.held.add(resource)
+        log.info("node %d: claimed %s", self.node_id, resource)
+        return True
 
     async def release(self, resource: str) -> None:
         """Give ``resource`` up (its key is deleted so the preferred shim can claim it)."""

@@ -45,8 +45,8 @@ so it is rebuilt on open: from a snapshot of the *acknowledged* state, kept in i
 ``kafka/producer-state/<topic>/<partition>`` (JSON: stream id, the record offset it is exact up to,
 term of the writer, producers), then by scanning the batches after that offset up to the LAC —
 each stored batch still carries producerId/epoch/baseSequence in its header. The owner rewrites the
-snapshot (compare-and-set) every ``snapshot_interval_s`` when batches were acknowledged, so the
-scan is short; a snapshot from a later term is never overwritten (we were taken over). The scan is
+snapshot (compare-and-set) every ``snapshot_interval_s`` when batches were acknowledged (one task
+per listener asks every open partition, ``snapshot_if_due``), so the scan is short; a snapshot from a later term is never overwritten (we were taken over). The scan is
 bounded by ``max_state_scan_entries``; beyond that the state is marked incomplete (unknown
 producers are then accepted at any sequence, as Kafka does for producers without state). The
 snapshot lives outside the stream's meta on purpose: the writer owns meta, and a separate key
@@ -133,7 +133,6 @@ class PartitionLog:
         self._snapshot_key = state_key(topic, partition)
         self._snapshot_version = 0
         self._snapshot_offset = -1
-        self._snapshot_task: asyncio.Task | None = None
         self._snapshots_stopped = False
 
     @property
@@ -156,26 +155,22 @@ class PartitionLog:
             return
         # the one writer of this partition's stream (a take-over; it recovers the next offset)
         self.producer = await self.client.producer(self.topic, LISTENER_PRODUCER, partition=self.partition)
-        meta, _ = await self.client.cluster.ledgers.get_ledger(self.producer.stream_id)  # after the take-over
-        self.reader = Consumer(self.client.cluster, meta, max_read_entries=self.config.max_read_entries,
-                               max_read_bytes=self.config.max_read_bytes)
+        self.reader = self.producer.reader  # the consumer it learnt its next offset with (fragments read once)
+        if self.reader is None:
+            self.reader = Consumer(self.client.cluster, self.producer.meta)
+        self.reader.max_read_entries = self.config.max_read_entries
+        self.reader.max_read_bytes = self.config.max_read_bytes
         self.stream_id = self.producer.stream_id
         lac = self.producer.lac
         self.high_watermark = self.producer.next_offset
-        self.log_start = min(max(await self.reader.earliest_offset(), records_deleted_below(meta)),
+        self.log_start = min(max(await self.reader.earliest_offset(), records_deleted_below(self.producer.meta)),
                              self.high_watermark)
-        scanned = await self._rebuild_producer_state(lac)
-        self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshot_loop(),
-                                                                     name=f"kafka-snapshots-{self.stream}")
+        scanned = await self._rebuild_producer_state(self.producer.last_data_entry_at_open)
         log.info("topic=%s partition=%d stream=%s term=%s open: LAC %d, offsets %d..%d, %d producers "
                  "(%d entries scanned)", self.topic, self.partition, self.stream, self.producer.term, lac,
                  self.log_start, self.high_watermark, len(self.acked_state.producers), scanned)
 
     async def close(self) -> None:
-        if self._snapshot_task is not None:
-            self._snapshot_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._snapshot_task
         if self.producer is not None:
             try:
                 await self.producer.close()
@@ -285,14 +280,19 @@ class PartitionLog:
             self._snapshot_version = cur.version if cur is not None else 0
         return False
 
-    async def _snapshot_loop(self) -> None:
-        while self.failure is None and not self._snapshots_stopped:
-            await asyncio.sleep(self.config.snapshot_interval_s)
-            if self.high_watermark > self._snapshot_offset:
-                try:
-                    await self.write_snapshot()
-                except Exception as exc:
-                    log.warning("stream=%s: writing the producer-state snapshot failed: %r", self.stream, exc)
+    @property
+    def snapshot_due(self) -> bool:
+        """Whether batches were acknowledged since the last producer-state snapshot (the listener's
+        one snapshot task asks every ``snapshot_interval_s``: no timer per partition)."""
+        return (self.producer is not None and self.failure is None and not self._snapshots_stopped
+                and self.high_watermark > self._snapshot_offset)
+
+    async def snapshot_if_due(self) -> None:
+        if self.snapshot_due:
+            try:
+                await self.write_snapshot()
+            except Exception as exc:
+                log.warning("stream=%s: writing the producer-state snapshot failed: %r", self.stream, exc)
 
     # ---------------------------------------------------------------- appends
     async def append(self, batches: list[Batch]) -> tuple[int, list[asyncio.Future]]:

@@ -1,12 +1,14 @@
 """The TCP server: frames in, handlers run, responses out in request order.
 
-How this works. Each connection has a reader loop and a writer loop. The reader takes frames off
-the socket (refusing one over ``max_frame_bytes`` before reading it), decodes each, starts its
-handler as a task and queues the task; the writer awaits the queued tasks in order and writes their
-responses, so answers leave in request order. Requests also *take effect* in the order sent, as in
-Kafka: the reader starts the next handler only once the previous one has applied its effects — when
-it returned, or earlier when it called ``codec.effects_applied()`` before a wait that changes
-nothing (a produce waiting for its acknowledgements, a fetch's long poll). So 50 pipelined
+How this works. Each connection has a reader, a dispatcher and a writer loop. The reader takes
+frames off the socket (refusing one over ``max_frame_bytes`` before reading it), decodes each, lets
+the broker prepare it (``Broker.prepare``: a produce starts opening its partitions, which no client
+can see) and queues it; the dispatcher starts each request's handler as a task and queues the
+task; the writer awaits the queued tasks in order and writes their responses, so answers leave in
+request order. Requests also *take effect* in the order sent, as in Kafka: the dispatcher starts
+the next handler only once the previous one has applied its effects — when it returned, or earlier
+when it called ``codec.effects_applied()`` before a wait that changes nothing (a produce waiting
+for its acknowledgements, a fetch's long poll). So 50 pipelined
 OffsetCommits are applied one after another and the last one sent is the one that stays, while
 pipelined produces still overlap their replication. An acks=0 produce is handled but answered with
 nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
@@ -96,27 +98,31 @@ class KafkaServer:
             writer.close()
             return
         self._conns.add(task)
-        queue: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)
+        requests: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # read, not started
+        queue: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # started, answers in order
+        dispatcher = asyncio.create_task(self._dispatch_loop(requests, queue))
         sender = asyncio.create_task(self._send_loop(queue, writer))
         try:
-            await self._read_loop(reader, queue, peer)
+            await self._read_loop(reader, requests, peer)
         except ProtocolError as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away (or sent a truncated frame and closed)
         finally:
             with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
-            if not sender.done():
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(sender), 5.0)
+                requests.put_nowait(None)
+            for t in (dispatcher, sender):  # what was read is still handled and answered
+                if not t.done():
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(t), 5.0)
+            dispatcher.cancel()
             sender.cancel()
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
             self._conns.discard(task)
 
-    async def _read_loop(self, reader: asyncio.StreamReader, queue: asyncio.Queue, peer) -> None:
+    async def _read_loop(self, reader: asyncio.StreamReader, requests: asyncio.Queue, peer) -> None:
         while True:
             try:
                 head = await reader.readexactly(4)
@@ -135,12 +141,28 @@ class KafkaServer:
             except UnsupportedRequest as exc:
                 if exc.api_key != codec.API_API_VERSIONS:
                     raise
-                await queue.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
+                await requests.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
                 continue
-            applied = asyncio.get_running_loop().create_future()
-            task = asyncio.create_task(self._respond(req, applied))
-            await queue.put(task)
-            await applied  # in order: the next request is handled once this one took effect
+            self.broker.prepare(req)  # e.g. start opening a produce's partitions (no effect a client sees)
+            await requests.put(req)
+
+    async def _dispatch_loop(self, requests: asyncio.Queue, queue: asyncio.Queue) -> None:
+        """Start the requests read, in order, each once the previous one has taken effect."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                item = await requests.get()
+                if item is None:
+                    return
+                if isinstance(item, asyncio.Future):  # an answer made while reading
+                    await queue.put(item)
+                    continue
+                applied = loop.create_future()
+                await queue.put(asyncio.create_task(self._respond(item, applied)))
+                await applied
+        finally:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
 
     async def _respond(self, req: codec.Request, applied: asyncio.Future) -> bytes | None:
         def done() -> None:

@@ -116,11 +116,18 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
+_ID_CACHE_MAX = 100_000  # names whose ledger id is remembered
+
+
 class LedgerStore:
     """Ledger metadata operations; every method is one or a few store round trips."""
 
     def __init__(self, store: MetadataStore) -> None:
         self.store = store
+        # name -> ledger id, as created or looked up here. Ids are never reused and a name's record
+        # goes with its meta record (one transaction), so a cached id whose meta is still there
+        # under the same name is the name's ledger; otherwise the name is looked up again.
+        self._ids: dict[str, int] = {}
 
     async def create_ledger(
         self,
@@ -165,19 +172,34 @@ class LedgerStore:
         )
         if not result.succeeded:
             raise LedgerExists(name)  # the id is fresh, so only the name can have been taken
+        self._remember(name, ledger_id)
         return meta, result.versions[mkey]
+
+    def _remember(self, name: str, ledger_id: int) -> None:
+        if len(self._ids) >= _ID_CACHE_MAX:
+            self._ids.clear()
+        self._ids[name] = ledger_id
 
     async def ledger_id(self, name: str) -> int:
         got = await self.store.get(by_name_key(name))
         if got is None:
             raise NoSuchLedger(name)
         try:
-            return int(got.value)
+            ledger_id = int(got.value)
         except ValueError as e:
             raise CorruptMetadata(f"{by_name_key(name)}: not a ledger id: {got.value!r}") from e
+        self._remember(name, ledger_id)
+        return ledger_id
 
     async def get_ledger(self, name_or_id: str | int) -> tuple[LedgerMeta, int]:
         """The ledger's meta and its version (for ``cas_ledger``); ``NoSuchLedger`` if absent."""
+        if isinstance(name_or_id, str) and (cached := self._ids.get(name_or_id)) is not None:
+            got = await self.store.get(meta_key(cached))
+            if got is not None:
+                meta = _parse_meta(got.value, meta_key(cached))
+                if meta.name == name_or_id:
+                    return meta, got.version
+            self._ids.pop(name_or_id, None)  # deleted (and perhaps created again): look the name up
         ledger_id = name_or_id if isinstance(name_or_id, int) else await self.ledger_id(name_or_id)
         got = await self.store.get(meta_key(ledger_id))
         if got is None:

@@ -226,17 +226,24 @@ class ScrollClient:
                         await p.close()
                     raise
                 return TopicProducer(t, producers)
-        await self._meta(stream)
         driver = WriterDriver(self.cluster, stream, options)
-        await driver.open()
         try:
-            meta, _ = await self.cluster.ledgers.get_ledger(driver.ledger_id)
-            reader = Consumer(self.cluster, meta)
-            next_offset = await reader.offset_after(driver.writer.lac)  # from the last batch at or below the LAC
+            await driver.open()
+        except NoSuchLedger as exc:
+            raise NoSuchStream(f"no stream named {stream!r}") from exc
+        try:
+            w = driver.writer
+            reader = Consumer(self.cluster, w.ledger)  # the meta as the take-over left it
+            if w.ledger.first_fragment_index == w.ledger.last_fragment_index == w.fragment.index \
+                    and w.cas_reason is None and not w.dirty:
+                reader.seed_fragments([w.fragment])  # its one fragment, as the take-over committed it
+            # from the last batch at or below the LAC (the take-over's no-op at the LAC holds none)
+            last = w.lac - 1 if w.noop_entry_id is not None and w.noop_entry_id == w.lac else w.lac
+            next_offset = await reader.offset_after(last)
         except BaseException:
             await driver.close()
             raise
-        return Producer(driver, self.cluster.max_entry_bytes, next_offset, options)
+        return Producer(driver, self.cluster.max_entry_bytes, next_offset, options, reader=reader)
 
     async def consumer(self, stream: str, start=EARLIEST, *, partition: int | None = None, **options) -> Consumer:
         """A consumer of one stream (``partition``: of that partition of the topic ``stream``),

@@ -334,6 +334,12 @@ class Consumer:
         return m.status is LedgerStatus.CLOSED and m.last_entry_id is not None and self.entry > m.last_entry_id
 
     # ---------------------------------------------------------------- internals
+    def seed_fragments(self, fragments: list[Fragment]) -> None:
+        """Start from fragment records the caller holds as they are in the metadata store (a
+        writer's, just after its take-over committed them) instead of reading them again."""
+        self._refreshed_at = asyncio.get_running_loop().time()
+        self.fragments = list(fragments)
+
     async def _refresh(self) -> None:
         self._refreshed_at = asyncio.get_running_loop().time()
         meta, _ = await self.cluster.ledgers.get_ledger(self.meta.ledger_id)

@@ -49,9 +49,13 @@ class _Sealed:
 
 class Producer:
     def __init__(self, driver: WriterDriver, max_entry_bytes: int, next_offset: int,
-                 options: ProducerOptions | None = None):
+                 options: ProducerOptions | None = None, *, reader=None):
         o = options or driver.options
         self._driver = driver
+        # the Consumer the next offset was learnt with (fragments as of the take-over): a caller
+        # that reads the stream it writes (the Kafka listener) takes it over instead of building
+        # another, which would read the same metadata again
+        self.reader = reader
         self.options = o
         self.max_entry_bytes = max_entry_bytes
         self.next_offset = next_offset  # the offset the next sealed batch starts at
@@ -84,9 +88,22 @@ class Producer:
         return self._driver.writer.ledger.ledger_id
 
     @property
+    def meta(self):
+        """The stream's ledger record as this producer's writer last wrote it (after the take-over)."""
+        return self._driver.writer.ledger
+
+    @property
     def lac(self) -> int:
         """The last entry id this producer has had acknowledged."""
         return self._driver.writer.lac
+
+    @property
+    def last_data_entry_at_open(self) -> int:
+        """The last entry id that may hold a batch when this producer opened: its LAC then, or the
+        entry before it when that is the take-over's own no-op (no need to read it back)."""
+        w = self._driver.writer
+        first = w.open_entry_id if w.open_entry_id is not None else w.lac + 1
+        return first - 2 if w.noop_entry_id is not None and w.noop_entry_id == first - 1 else first - 1
 
     # ---------------------------------------------------------------- appends
     async def append(self, value: bytes, key: bytes | None = None, headers=None,

@@ -7,7 +7,8 @@ stream may be written by any client over its life but by one at a time:
 1. CAS the ledger record to ``term + 1`` / IN_RECOVERY (a lost CAS means someone else acts: abort).
 2. Fence the last fragment's ensemble with the new term until ``E - AQ + 1`` answered. The highest
    LAC and LAFR seen are frozen for the rest of recovery.
-3. Read entries from LAFR + 1 (a bounded window in flight, decided in id order) on the write set of
+3. Read entries from LAFR + 1 (a bounded window in flight, from one entry doubling with each entry
+   found; decided in id order) on the write set of
    the recovery ensemble (the last fragment as it was when recovery started), carrying the new
    term. A current copy means the entry exists: write back the copy with the highest stamp. ``WQ - AQ + 1`` misses make it the truncate point. Anything else:
    abort. A copy written in a term older than the "floor" counts as a miss: it is a leftover of an
@@ -175,8 +176,10 @@ class LedgerWriter:
         self.frozen_lac = -1
         self.reads: dict[int, _Read] = {}  # recovery reads in flight, by entry id
         self.next_decide = self.next_read = 0
+        self.read_window = 1  # recovery reads in flight: doubles per entry found, up to the config's
         self.read_floor = last_fragment.created_term  # copies older than this are leftovers
         self.truncate_entry_id: int | None = None
+        self.noop_entry_id: int | None = None  # the truncate no-op this take-over wrote (it holds no data)
         self.open_entry_id: int | None = None  # first id appended by this term
         self.acked = -1  # highest id acknowledged to callers
         self.lac_pushed = -1
@@ -364,8 +367,11 @@ class LedgerWriter:
 
     def _send_reads(self) -> None:
         """Keep a bounded window of recovery reads in flight (decisions are still made in id order;
-        reads past the truncate point are simply discarded)."""
-        while self.truncate_entry_id is None and self.next_read < self.next_decide + self.config.recovery_read_window:
+        reads past the truncate point are simply discarded). The window starts at one entry and
+        doubles with every entry found, up to ``recovery_read_window``: most take-overs find
+        nothing or a few entries past the LAFR (a new stream: none), and reads past the truncate
+        point would cost the bookies and us a call each for nothing."""
+        while self.truncate_entry_id is None and self.next_read < self.next_decide + self.read_window:
             entry_id = self.next_read
             self.next_read += 1
             targets = write_set(entry_id, self.recovery_fragment.ensemble, self.wq)
@@ -410,6 +416,7 @@ class LedgerWriter:
             if entry_codec.is_noop(data):
                 self.read_floor = max(self.read_floor, entry_codec.noop_term(data))
             self.next_decide += 1
+            self.read_window = min(2 * self.read_window, self.config.recovery_read_window)
             self._recovered(rd.entry_id, data)
         self._send_reads()
 
@@ -422,7 +429,7 @@ class LedgerWriter:
         self.truncate_entry_id = entry_id
         log.info("ledger=%s term=%s truncate point %s", self.ledger.ledger_id, self.term, entry_id)
         if not self.config.unsafe.skip_truncate:
-            self._new_pending(entry_codec.noop(self.term), recovery=True, truncate=True)
+            self.noop_entry_id = self._new_pending(entry_codec.noop(self.term), recovery=True, truncate=True)
             self._pump()
         self._maybe_finish_recovery()
 
@@ -445,7 +452,16 @@ class LedgerWriter:
         self.open_entry_id = self.lap + 1
         log.info("ledger=%s term=%s open; appends start at %s", self.ledger.ledger_id, self.term, self.lap + 1)
         self._out.append(Opened(self.term, self.lap + 1, self.truncate_entry_id))
-        self._push_lac()
+        if self.truncate_entry_id is not None and self.truncate_entry_id == self.frozen_lafr + 1 \
+                and self.frozen_lac <= self.frozen_lafr:
+            # Nothing was recovered: every entry below the no-op was fully replicated before, and
+            # the no-op, sent to the whole ensemble, carried the LAC readers could already see.
+            # Pushing the no-op's own id as LAC would show readers nothing (they skip no-ops) and
+            # cost each bookie a journal write: a take-over of a new stream, or of one whose
+            # writer stopped cleanly, is the common case (a listener opens hundreds at once).
+            self.lac_pushed = self.lac
+        else:
+            self._push_lac()
 
     # ------------------------------------------------------------------ adds
     def _new_pending(self, data: bytes, recovery: bool = False, truncate: bool = False) -> int:
