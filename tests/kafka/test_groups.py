@@ -265,6 +265,12 @@ def test_only_the_coordinator_serves_a_group_and_find_coordinator_batches(kafka_
     other = ShimThread(kafka_cluster.metadata_url, free_port(), node_id=None)
     other.start()
     try:
+        # exactly these two listeners live (a listener an earlier test stopped may still hold its lease)
+        admin = AdminClient({"bootstrap.servers": other.bootstrap})
+        deadline = time.monotonic() + 30
+        while {b.port for b in admin.list_topics(timeout=10).brokers.values()} != {shim.port, other.port}:
+            assert time.monotonic() < deadline, "the listeners' registrations did not settle"
+            time.sleep(0.1)
         groups = tuple(f"nc-{i}" for i in range(12))
         found = call(other.port, FindCoordinatorRequest(key_type=0, coordinator_keys=groups), 10).coordinators
         assert [c.key for c in found] == list(groups) and {c.error_code for c in found} == {ErrorCode.none}
