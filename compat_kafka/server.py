@@ -111,10 +111,8 @@ class KafkaServer:
         finally:
             with contextlib.suppress(asyncio.QueueFull):
                 requests.put_nowait(None)
-            for t in (dispatcher, sender):  # what was read is still handled and answered
-                if not t.done():
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(asyncio.shield(t), 5.0)
+            with contextlib.suppress(Exception):  # what was read is still handled and answered (5 s at most)
+                await asyncio.wait([dispatcher, sender], timeout=5.0)
             dispatcher.cancel()
             sender.cancel()
             writer.close()
