@@ -20,7 +20,7 @@ import click
 
 from .broker import Broker, BrokerConfig
 from .group_cli import groups_command
-from .server import KafkaServer, ServerConfig
+from .server import KafkaServer, ServerConfig, TlsConfig
 
 
 async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,
@@ -70,11 +70,19 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
               help="serve Prometheus metrics (consumer group lag) over HTTP on this port [default: none]")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="address of the metrics endpoint")
 @click.option("--no-fetch-sessions", is_flag=True, help="decline KIP-227 incremental fetch sessions")
+@click.option("--ssl-cert", default=None, type=click.Path(dir_okay=False),
+              help="PEM certificate chain: the listener speaks TLS (Kafka's SSL security protocol)")
+@click.option("--ssl-key", default=None, type=click.Path(dir_okay=False), help="PEM private key of --ssl-cert")
+@click.option("--ssl-client-ca", default=None, type=click.Path(dir_okay=False),
+              help="PEM CA bundle that signs accepted client certificates")
+@click.option("--ssl-client-auth", type=click.Choice(["none", "requested", "required"]), default="none",
+              show_default=True, help="required: mutual TLS, a client without a trusted certificate is refused")
 @click.pass_context
 def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port: int, advertised_host: str,
                   node_id: int | None, lease_ttl: float, test_drop_produce_response_every: int,
                   default_partitions: int, no_auto_create: bool, max_frame_bytes: int, metrics_port: int | None,
-                  metrics_host: str, no_fetch_sessions: bool) -> None:
+                  metrics_host: str, no_fetch_sessions: bool, ssl_cert: str | None, ssl_key: str | None,
+                  ssl_client_ca: str | None, ssl_client_auth: str) -> None:
     """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams.
 
     \b
@@ -89,7 +97,16 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
         raise click.UsageError("--metadata is required to serve (or give a subcommand, e.g. `groups`)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes)
+        tls = None
+        if ssl_cert or ssl_key:
+            if not (ssl_cert and ssl_key):
+                raise ValueError("--ssl-cert and --ssl-key go together")
+            tls = TlsConfig(ssl_cert, ssl_key, ssl_client_ca if ssl_client_auth != "none" else None,
+                            ssl_client_auth == "required")
+            tls.server_context()  # unreadable files: a clear error now, not at the first connection
+        elif ssl_client_ca or ssl_client_auth != "none":
+            raise ValueError("--ssl-client-ca and --ssl-client-auth need --ssl-cert and --ssl-key")
+        server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes, tls=tls)
         broker_config = BrokerConfig(host=advertised_host, port=port, node_id=node_id, lease_ttl_s=lease_ttl,
                                      default_partitions=default_partitions, auto_create_topics=not no_auto_create,
                                      drop_produce_response_every=test_drop_produce_response_every,

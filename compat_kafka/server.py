@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import struct
 from dataclasses import dataclass
 
@@ -34,12 +35,44 @@ _SIZE = struct.Struct(">i")
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """The listener speaks TLS (Kafka's SSL security protocol): its certificate chain and key (PEM
+    files); ``client_ca``: PEM bundle of the CAs whose client certificates are accepted, and with
+    ``require_client_cert`` a client without a certificate it trusts is refused (mutual TLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+    require_client_cert: bool = False
+
+    def __post_init__(self):
+        if self.require_client_cert and not self.client_ca_file:
+            raise ValueError("mutual TLS needs the CA file that signs the client certificates")
+
+    def server_context(self) -> ssl.SSLContext:
+        """A server-side context (TLS 1.2+); files are read now (a restart picks up new ones)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+            if self.client_ca_file:
+                ctx.load_verify_locations(self.client_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the TLS certificate, key or CA ({self.cert_file}, {self.key_file}, "
+                             f"{self.client_ca_file}): {exc}") from exc
+        ctx.verify_mode = (ssl.CERT_REQUIRED if self.require_client_cert
+                           else ssl.CERT_OPTIONAL if self.client_ca_file else ssl.CERT_NONE)
+        return ctx
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 9092  # 0: any free port (see KafkaServer.port)
     max_frame_bytes: int = codec.MAX_FRAME_BYTES
     max_inflight_requests: int = 256  # per connection
     max_connections: int = 1000
+    tls: TlsConfig | None = None  # None: PLAINTEXT
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024 or self.max_inflight_requests < 1 or self.max_connections < 1:
@@ -60,15 +93,19 @@ class KafkaServer:
 
     async def start(self) -> None:
         """Bind, register the broker (with the bound port when configured as 0), then serve."""
+        tls = self.config.tls.server_context() if self.config.tls is not None else None
+        # a handshake that fails (a plaintext client, an untrusted or missing client certificate)
+        # is logged by asyncio and the connection closed before any request is read
         self._server = await asyncio.start_server(self._connection, self.config.host, self.config.port,
-                                                  start_serving=False)
+                                                  start_serving=False, ssl=tls, ssl_handshake_timeout=10.0)
         try:
             await self.broker.start(self.port)
         except BaseException:
             self._server.close()
             raise
         await self._server.start_serving()
-        log.info("Kafka shim node %s listening on %s:%d", self.broker.node_id, self.config.host, self.port)
+        log.info("Kafka shim node %s listening on %s:%d (%s)", self.broker.node_id, self.config.host, self.port,
+                 "SSL" if self.config.tls is not None else "PLAINTEXT")
 
     async def stop(self) -> None:
         if self._server is not None:
