@@ -97,7 +97,8 @@ class KafkaServer:
         # a handshake that fails (a plaintext client, an untrusted or missing client certificate)
         # is logged by asyncio and the connection closed before any request is read
         self._server = await asyncio.start_server(self._connection, self.config.host, self.config.port,
-                                                  start_serving=False, ssl=tls, ssl_handshake_timeout=10.0)
+                                                  start_serving=False, ssl=tls,
+                                                  ssl_handshake_timeout=10.0 if tls is not None else None)
         try:
             await self.broker.start(self.port)
         except BaseException:
