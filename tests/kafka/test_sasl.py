@@ -280,3 +280,41 @@ def test_sasl_over_tls(sasl_cluster, users, tmp_path):
         assert _end_offset(shim.bootstrap, "t-ssl", conf) == 4
     finally:
         shim.stop()
+
+
+def test_the_protocol_before_authentication(sasl_shim):
+    """Raw requests: what an unauthenticated connection may send, and what closes it."""
+    from kio.schema.api_versions.v0 import ApiVersionsRequest
+    from kio.schema.errors import ErrorCode
+    from kio.schema.metadata.v12 import MetadataRequest
+    from kio.schema.sasl_authenticate.v2 import SaslAuthenticateRequest
+    from kio.schema.sasl_handshake.v1 import SaslHandshakeRequest
+
+    from .shimproc import RawConnection
+
+    md = MetadataRequest(topics=None, allow_auto_topic_creation=False, include_topic_authorized_operations=False)
+    with RawConnection(sasl_shim.port) as c:  # ApiVersions is answered (and lists the SASL APIs); Metadata closes
+        keys = {k.api_key: (k.min_version, k.max_version) for k in c.call(ApiVersionsRequest()).api_keys}
+        assert keys[17] == (0, 1) and keys[36] == (0, 2)
+        with pytest.raises(ConnectionError):
+            c.call(md)
+    with RawConnection(sasl_shim.port) as c:  # an unknown mechanism: the enabled ones, then closed
+        r = c.call(SaslHandshakeRequest(mechanism="GSSAPI"))
+        assert r.error_code == ErrorCode.unsupported_sasl_mechanism and r.mechanisms == tuple(ALL.split(","))
+        with pytest.raises(ConnectionError):
+            c.call(ApiVersionsRequest())
+    with RawConnection(sasl_shim.port) as c:  # SaslAuthenticate without a handshake
+        r = c.call(SaslAuthenticateRequest(auth_bytes=b"\0alice\0alice-pw"))
+        assert r.error_code == ErrorCode.illegal_sasl_state
+    with RawConnection(sasl_shim.port) as c:  # PLAIN by hand: a principal, then any request
+        assert c.call(SaslHandshakeRequest(mechanism="PLAIN")).error_code == ErrorCode.none
+        r = c.call(SaslAuthenticateRequest(auth_bytes=b"\0alice\0alice-pw"))
+        assert r.error_code == ErrorCode.none and r.session_lifetime.total_seconds() == 0
+        assert c.call(md).brokers
+        assert c.call(SaslHandshakeRequest(mechanism="PLAIN")).error_code == ErrorCode.illegal_sasl_state
+    with RawConnection(sasl_shim.port) as c:  # a wrong password: the error and its message, then closed
+        c.call(SaslHandshakeRequest(mechanism="PLAIN"))
+        r = c.call(SaslAuthenticateRequest(auth_bytes=b"\0alice\0nope"))
+        assert r.error_code == ErrorCode.sasl_authentication_failed and "Authentication failed" in r.error_message
+        with pytest.raises(ConnectionError):
+            c.call(md)
