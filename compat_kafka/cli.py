@@ -6,6 +6,8 @@ its port, and serves the partitions it owns (see ``compat_kafka.ownership``). ``
 long a dead shim keeps its partitions before the others take them over. ``--metrics-port`` serves
 Prometheus metrics (consumer group lag, ``metrics.py``). ``scroll kafka groups ...`` is the
 operators' view of consumer groups (``group_cli.py``), a client of a running listener.
+``--sasl-mechanisms`` turns on Kafka SASL (``sasl.py``); ``scroll kafka user add|remove|list``
+manages the SCRAM credentials in the metadata store.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 import click
 
+from . import sasl
 from .broker import Broker, BrokerConfig
 from .group_cli import groups_command
 from .server import KafkaServer, ServerConfig, TlsConfig
@@ -77,12 +80,14 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
               help="PEM CA bundle that signs accepted client certificates")
 @click.option("--ssl-client-auth", type=click.Choice(["none", "requested", "required"]), default="none",
               show_default=True, help="required: mutual TLS, a client without a trusted certificate is refused")
+@click.option("--sasl-mechanisms", default=None,
+              help="turn on SASL: comma-separated PLAIN,SCRAM-SHA-256,SCRAM-SHA-512 (users: `scroll kafka user add`)")
 @click.pass_context
 def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port: int, advertised_host: str,
                   node_id: int | None, lease_ttl: float, test_drop_produce_response_every: int,
                   default_partitions: int, no_auto_create: bool, max_frame_bytes: int, metrics_port: int | None,
                   metrics_host: str, no_fetch_sessions: bool, ssl_cert: str | None, ssl_key: str | None,
-                  ssl_client_ca: str | None, ssl_client_auth: str) -> None:
+                  ssl_client_ca: str | None, ssl_client_auth: str, sasl_mechanisms: str | None) -> None:
     """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams.
 
     \b
@@ -106,7 +111,9 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
             tls.server_context()  # unreadable files: a clear error now, not at the first connection
         elif ssl_client_ca or ssl_client_auth != "none":
             raise ValueError("--ssl-client-ca and --ssl-client-auth need --ssl-cert and --ssl-key")
-        server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes, tls=tls)
+        mechanisms = sasl.parse_mechanisms(sasl_mechanisms) if sasl_mechanisms is not None else ()
+        server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes, tls=tls,
+                                     sasl_mechanisms=mechanisms)
         broker_config = BrokerConfig(host=advertised_host, port=port, node_id=node_id, lease_ttl_s=lease_ttl,
                                      default_partitions=default_partitions, auto_create_topics=not no_auto_create,
                                      drop_produce_response_every=test_drop_produce_response_every,
@@ -131,3 +138,65 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
 
 
 kafka_command.add_command(groups_command, "groups")
+
+
+# ---------------------------------------------------------------- scroll kafka user
+def _with_store(metadata_url: str, fn):
+    from fragments.stores import open_store
+
+    async def main():
+        store = await open_store(metadata_url)
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+_metadata_option = click.option("--metadata", "metadata_url", required=True,
+                                help="metadata store URL, e.g. etcd://127.0.0.1:2379")
+
+
+@click.group("user")
+def user_command() -> None:
+    """SASL/SCRAM users of the Kafka listener (salted credentials in the metadata store)."""
+
+
+@user_command.command("add")
+@click.argument("name")
+@click.option("--password", prompt=True, hide_input=True, confirmation_prompt=True)
+@click.option("--mechanism", "mechanisms", multiple=True, type=click.Choice(sasl.SCRAM_MECHANISMS),
+              help="credential to store (repeatable) [default: both; PLAIN uses SCRAM-SHA-256]")
+@click.option("--iterations", default=sasl.DEFAULT_ITERATIONS, show_default=True, type=click.IntRange(4096, 10**6))
+@_metadata_option
+def user_add(name: str, password: str, mechanisms: tuple[str, ...], iterations: int, metadata_url: str) -> None:
+    """Add NAME (or replace its password)."""
+    try:
+        sasl.check_user_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    mechs = mechanisms or sasl.SCRAM_MECHANISMS
+    _with_store(metadata_url, lambda store: sasl.add_user(store, name, password, mechs, iterations))
+    click.echo(f"user {name}: {', '.join(mechs)}")
+
+
+@user_command.command("remove")
+@click.argument("name")
+@_metadata_option
+def user_remove(name: str, metadata_url: str) -> None:
+    """Remove NAME's credentials."""
+    if not _with_store(metadata_url, lambda store: sasl.remove_user(store, name)):
+        raise click.ClickException(f"no user {name}")
+    click.echo(f"removed user {name}")
+
+
+@user_command.command("list")
+@_metadata_option
+def user_list(metadata_url: str) -> None:
+    """User names and their mechanisms (never a credential)."""
+    for name, mechs in _with_store(metadata_url, sasl.list_users).items():
+        click.echo(f"{name}\t{','.join(mechs)}")
+
+
+kafka_command.add_command(user_command, "user")

@@ -45,7 +45,9 @@ API_LEAVE_GROUP = 13
 API_SYNC_GROUP = 14
 API_DESCRIBE_GROUPS = 15
 API_LIST_GROUPS = 16
+API_SASL_HANDSHAKE = 17
 API_API_VERSIONS = 18
+API_SASL_AUTHENTICATE = 36
 API_CREATE_TOPICS = 19
 API_DELETE_TOPICS = 20
 API_DELETE_RECORDS = 21
@@ -76,6 +78,9 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     API_LIST_OFFSETS: (1, 9),
     API_METADATA: (0, 12),
     API_API_VERSIONS: (0, 3),
+    # SASL (sasl.py; answered by the server itself, before any handler)
+    API_SASL_HANDSHAKE: (0, 1),
+    API_SASL_AUTHENTICATE: (0, 2),
     API_CREATE_TOPICS: (2, 7),
     API_DELETE_TOPICS: (1, 6),
     # consumer groups (groups.py)
@@ -155,6 +160,26 @@ def set_client_host(peer) -> None:
 
 def current_client_host() -> str:
     return _CLIENT_HOST.get()
+
+
+# The SASL principal of the connection a request came on (None: SASL off, or not authenticated).
+# The server sets a mutable holder once per connection; request tasks inherit it and see the
+# principal once the connection has authenticated.
+@dataclass
+class ConnectionAuth:
+    principal: str | None = None
+
+
+_AUTH: contextvars.ContextVar[ConnectionAuth | None] = contextvars.ContextVar("kafka_connection_auth", default=None)
+
+
+def set_connection_auth(auth: ConnectionAuth) -> None:
+    _AUTH.set(auth)
+
+
+def current_principal() -> str | None:
+    auth = _AUTH.get()
+    return None if auth is None else auth.principal
 
 MAX_FRAME_BYTES = 64 << 20
 _SIZE = struct.Struct(">i")

@@ -14,6 +14,13 @@ pipelined produces still overlap their replication. An acks=0 produce is handled
 nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
 version) closes that connection, as a Kafka broker does; an ApiVersions request above our range
 is answered (v0, UNSUPPORTED_VERSION) instead. Other connections are not affected.
+
+SASL (``ServerConfig.sasl_mechanisms``, ``sasl.py``). SaslHandshake and SaslAuthenticate are
+answered by the read loop itself, one at a time, before any later request is read. With SASL on,
+a connection may send only ApiVersions, SaslHandshake and SaslAuthenticate until it has
+authenticated; anything else closes it (as Kafka does). A failed authentication is answered with
+SASL_AUTHENTICATION_FAILED, then the connection is closed. Handlers see the principal through
+``codec.current_principal()``.
 """
 
 from __future__ import annotations
@@ -24,14 +31,18 @@ import logging
 import ssl
 import struct
 from dataclasses import dataclass
+from typing import Any
 
-from . import codec
+from kio.schema.errors import ErrorCode
+
+from . import codec, sasl
 from .broker import Broker
 from .errors import DropConnection, ProtocolError, UnsupportedRequest
 
 log = logging.getLogger(__name__)
 
 _SIZE = struct.Struct(">i")
+_PRE_AUTH_MAX_FRAME = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -73,10 +84,13 @@ class ServerConfig:
     max_inflight_requests: int = 256  # per connection
     max_connections: int = 1000
     tls: TlsConfig | None = None  # None: PLAINTEXT
+    sasl_mechanisms: tuple[str, ...] = ()  # e.g. ("PLAIN", "SCRAM-SHA-256"); empty: no SASL
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024 or self.max_inflight_requests < 1 or self.max_connections < 1:
             raise ValueError(f"invalid server config {self}")
+        if any(m not in sasl.MECHANISMS for m in self.sasl_mechanisms):
+            raise ValueError(f"unsupported SASL mechanisms {self.sasl_mechanisms}; supported: {sasl.MECHANISMS}")
 
 
 class KafkaServer:
@@ -105,8 +119,9 @@ class KafkaServer:
             self._server.close()
             raise
         await self._server.start_serving()
+        protocol = ("SASL_" if self.config.sasl_mechanisms else "") + ("SSL" if self.config.tls else "PLAINTEXT")
         log.info("Kafka shim node %s listening on %s:%d (%s)", self.broker.node_id, self.config.host, self.port,
-                 "SSL" if self.config.tls is not None else "PLAINTEXT")
+                 protocol + (f" {','.join(self.config.sasl_mechanisms)}" if self.config.sasl_mechanisms else ""))
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -136,12 +151,14 @@ class KafkaServer:
             writer.close()
             return
         self._conns.add(task)
+        auth = codec.ConnectionAuth()
+        codec.set_connection_auth(auth)  # before the dispatcher starts: its request tasks inherit it
         requests: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # read, not started
         queue: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # started, answers in order
         dispatcher = asyncio.create_task(self._dispatch_loop(requests, queue))
         sender = asyncio.create_task(self._send_loop(queue, writer))
         try:
-            await self._read_loop(reader, requests, peer)
+            await self._read_loop(reader, requests, peer, auth)
         except ProtocolError as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -158,7 +175,9 @@ class KafkaServer:
                 await writer.wait_closed()
             self._conns.discard(task)
 
-    async def _read_loop(self, reader: asyncio.StreamReader, requests: asyncio.Queue, peer) -> None:
+    async def _read_loop(self, reader: asyncio.StreamReader, requests: asyncio.Queue, peer,
+                         auth: codec.ConnectionAuth) -> None:
+        session: list[sasl.SaslSession] = []  # the mechanism chosen by SaslHandshake
         while True:
             try:
                 head = await reader.readexactly(4)
@@ -167,7 +186,10 @@ class KafkaServer:
                     raise ProtocolError(f"truncated frame size ({len(exc.partial)} bytes)") from exc
                 return  # clean end of stream
             (size,) = _SIZE.unpack(head)
-            codec.check_frame_size(size, self.config.max_frame_bytes)
+            unauthenticated = bool(self.config.sasl_mechanisms) and auth.principal is None
+            # before authenticating, frames are small (Kafka: sasl max receive size, 512 KiB)
+            codec.check_frame_size(size, min(self.config.max_frame_bytes, _PRE_AUTH_MAX_FRAME) if unauthenticated
+                                   else self.config.max_frame_bytes)
             try:
                 data = await reader.readexactly(size)
             except asyncio.IncompleteReadError as exc:
@@ -179,8 +201,46 @@ class KafkaServer:
                     raise
                 await requests.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
                 continue
+            if req.api_key in (codec.API_SASL_HANDSHAKE, codec.API_SASL_AUTHENTICATE):
+                body, close = await self._sasl(req, auth, session, peer)
+                await requests.put(_done(codec.encode_response(req.correlation_id, body)))
+                if close:
+                    return
+                continue
+            if unauthenticated and req.api_key != codec.API_API_VERSIONS:
+                raise ProtocolError(f"api key {req.api_key} before SASL authentication")
             self.broker.prepare(req)  # e.g. start opening a produce's partitions (no effect a client sees)
             await requests.put(req)
+
+    async def _sasl(self, req: codec.Request, auth: codec.ConnectionAuth, session: list, peer) -> tuple[Any, bool]:
+        """The answer to a SaslHandshake or SaslAuthenticate, and whether to close the connection."""
+        resp_cls = codec.response_schema(req.api_key, req.api_version)
+        mechs = self.config.sasl_mechanisms
+        if req.api_key == codec.API_SASL_HANDSHAKE:
+            if auth.principal is not None or session:
+                return codec.build(resp_cls, error_code=ErrorCode.illegal_sasl_state, mechanisms=mechs), True
+            if req.body.mechanism not in mechs:
+                return codec.build(resp_cls, error_code=ErrorCode.unsupported_sasl_mechanism, mechanisms=mechs), True
+            session.append(sasl.SaslSession(self.broker.store, req.body.mechanism))
+            return codec.build(resp_cls, error_code=ErrorCode.none, mechanisms=mechs), False
+        if not session or auth.principal is not None:
+            return codec.build(resp_cls, error_code=ErrorCode.illegal_sasl_state, auth_bytes=b"",
+                               error_message="SaslAuthenticate without a SaslHandshake"), True
+        try:
+            token = await session[0].step(req.body.auth_bytes)
+        except sasl.AuthenticationFailed as exc:
+            log.warning("SASL authentication failed from %s: %s", peer, exc)
+            await asyncio.sleep(sasl.FAILURE_DELAY_S)  # this connection only
+            return codec.build(resp_cls, error_code=ErrorCode.sasl_authentication_failed, error_message=str(exc),
+                               auth_bytes=b""), True
+        except Exception:  # e.g. the metadata store unreachable: refuse, and say so in the log
+            log.exception("SASL authentication from %s could not be checked", peer)
+            return codec.build(resp_cls, error_code=ErrorCode.sasl_authentication_failed, auth_bytes=b"",
+                               error_message="Authentication could not be checked (server error)"), True
+        if session[0].principal is not None:
+            auth.principal = session[0].principal
+            log.info("SASL %s: %s authenticated from %s", session[0].mechanism, auth.principal, peer)
+        return codec.build(resp_cls, error_code=ErrorCode.none, error_message=None, auth_bytes=token), False
 
     async def _dispatch_loop(self, requests: asyncio.Queue, queue: asyncio.Queue) -> None:
         """Start the requests read, in order, each once the previous one has taken effect."""

@@ -1,0 +1,190 @@
+"""Kafka SASL on the listener: PLAIN, SCRAM-SHA-256 and SCRAM-SHA-512 (SaslHandshake v0-1 then
+SaslAuthenticate v0-2, KIP-152), and the SCRAM credentials in the metadata store.
+
+Credentials. ``kafka/scram/<user>/<mechanism>`` holds a salted credential made by ``scramp`` (salt,
+iterations, stored key, server key), never the password. PLAIN checks its password against the
+user's SCRAM-SHA-256 credential: derive with the same salt and iterations, compare the stored key
+in constant time.
+
+Bounded work per failed attempt. A SCRAM exchange costs the server a few HMACs; PLAIN costs one
+PBKDF2 with the stored iteration count, run in a thread. An unknown user gets a fake credential
+(a salt fixed per user name, 4096 iterations, keys that match nothing), so it costs the same and
+fails with the same message as a wrong password. A failure is answered after a short delay on
+that connection only, and the connection is then closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import os
+from dataclasses import dataclass
+
+from scramp import ScramException, ScramMechanism
+
+PLAIN = "PLAIN"
+SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
+MECHANISMS = (PLAIN, *SCRAM_MECHANISMS)
+DEFAULT_ITERATIONS = 4096
+PREFIX = "kafka/scram/"
+FAILURE_DELAY_S = 0.1
+_FAKE_SALT_KEY = b"scroll-kafka-sasl-unknown-user"
+
+
+def cred_key(user: str, mechanism: str) -> str:
+    return f"{PREFIX}{user}/{mechanism}"
+
+
+def check_user_name(user: str) -> None:
+    if not user or "/" in user or len(user) > 255 or not user.isprintable():
+        raise ValueError(f"invalid user name {user!r}: 1-255 printable characters, no '/'")
+
+
+def parse_mechanisms(text: str) -> tuple[str, ...]:
+    """``PLAIN,SCRAM-SHA-256`` -> the mechanisms, checked."""
+    mechs = tuple(m.strip().upper() for m in text.split(",") if m.strip())
+    bad = [m for m in mechs if m not in MECHANISMS]
+    if bad or not mechs:
+        raise ValueError(f"unsupported SASL mechanism(s) {bad or text!r}; supported: {', '.join(MECHANISMS)}")
+    return mechs
+
+
+@dataclass(frozen=True)
+class ScramCredential:
+    salt: bytes
+    stored_key: bytes
+    server_key: bytes
+    iterations: int
+
+    def to_bytes(self) -> bytes:
+        b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+        return json.dumps({"salt": b64(self.salt), "stored_key": b64(self.stored_key),
+                           "server_key": b64(self.server_key), "iterations": self.iterations}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ScramCredential:
+        d = json.loads(data)
+        return cls(base64.b64decode(d["salt"]), base64.b64decode(d["stored_key"]),
+                   base64.b64decode(d["server_key"]), int(d["iterations"]))
+
+    def auth_info(self) -> tuple[bytes, bytes, bytes, int]:
+        return self.salt, self.stored_key, self.server_key, self.iterations
+
+
+def make_credential(mechanism: str, password: str, iterations: int = DEFAULT_ITERATIONS,
+                    salt: bytes | None = None) -> ScramCredential:
+    salt, stored_key, server_key, i = ScramMechanism(mechanism).make_auth_info(password, iterations, salt)
+    return ScramCredential(salt, stored_key, server_key, i)
+
+
+def fake_credential(user: str) -> ScramCredential:
+    """What an unknown user is checked against: same cost, never matches."""
+    salt = hmac.new(_FAKE_SALT_KEY, user.encode(), hashlib.sha256).digest()[:16]
+    return ScramCredential(salt, os.urandom(32), os.urandom(32), DEFAULT_ITERATIONS)
+
+
+def check_plain(cred: ScramCredential, password: str) -> bool:
+    """Whether ``password`` is the one of this SCRAM-SHA-256 credential (PBKDF2: run it in a thread)."""
+    derived = make_credential("SCRAM-SHA-256", password, cred.iterations, cred.salt)
+    return hmac.compare_digest(derived.stored_key, cred.stored_key)
+
+
+# ---------------------------------------------------------------- the store
+async def add_user(store, user: str, password: str, mechanisms=SCRAM_MECHANISMS,
+                   iterations: int = DEFAULT_ITERATIONS) -> None:
+    check_user_name(user)
+    for m in mechanisms:
+        if m not in SCRAM_MECHANISMS:
+            raise ValueError(f"credentials are stored for {', '.join(SCRAM_MECHANISMS)} (PLAIN uses SCRAM-SHA-256)")
+        cred = await asyncio.to_thread(make_credential, m, password, iterations)
+        await store.put(cred_key(user, m), cred.to_bytes())
+
+
+async def remove_user(store, user: str) -> bool:
+    found = False
+    for m in SCRAM_MECHANISMS:
+        found = await store.delete(cred_key(user, m)) or found
+    return found
+
+
+async def list_users(store) -> dict[str, list[str]]:
+    users: dict[str, list[str]] = {}
+    for key, _v in await store.list_prefix(PREFIX):
+        user, _, mech = key[len(PREFIX):].rpartition("/")
+        users.setdefault(user, []).append(mech)
+    return {u: sorted(ms) for u, ms in sorted(users.items())}
+
+
+async def load_credential(store, user: str, mechanism: str) -> ScramCredential | None:
+    if not user or "/" in user:
+        return None
+    v = await store.get(cred_key(user, mechanism))
+    return None if v is None else ScramCredential.from_bytes(v.value)
+
+
+# ---------------------------------------------------------------- one connection's exchange
+class AuthenticationFailed(Exception):
+    pass
+
+
+def _failed(mechanism: str) -> AuthenticationFailed:
+    return AuthenticationFailed(f"Authentication failed during authentication due to invalid credentials "
+                                f"with SASL mechanism {mechanism}")
+
+
+class SaslSession:
+    """The server side of one connection's SASL exchange (after its SaslHandshake chose ``mechanism``)."""
+
+    def __init__(self, store, mechanism: str):
+        self.store = store
+        self.mechanism = mechanism
+        self._scram = None  # the scramp server between the client's first and final messages
+        self.principal: str | None = None  # set once authenticated
+
+    async def step(self, token: bytes) -> bytes:
+        """The answer to one SaslAuthenticate token; raises ``AuthenticationFailed``."""
+        if self.mechanism == PLAIN:
+            return await self._plain(token)
+        if self._scram is None:
+            return await self._scram_first(token)
+        return self._scram_final(token)
+
+    async def _plain(self, token: bytes) -> bytes:
+        parts = token.split(b"\0")
+        if len(parts) != 3:
+            raise AuthenticationFailed("Invalid SASL/PLAIN message: authzid\\0user\\0password expected")
+        authzid, user, password = (p.decode("utf-8", "replace") for p in parts)
+        cred = await load_credential(self.store, user, "SCRAM-SHA-256")
+        ok = await asyncio.to_thread(check_plain, cred or fake_credential(user), password)
+        if not ok or cred is None or (authzid and authzid != user):
+            raise _failed(PLAIN)
+        self.principal = user
+        return b""
+
+    async def _scram_first(self, token: bytes) -> bytes:
+        msg = token.decode("utf-8", "replace")
+        user = ""
+        for attr in msg.split(",")[2:]:
+            if attr.startswith("n="):
+                user = attr[2:].replace("=2C", ",").replace("=3D", "=")
+                break
+        cred = await load_credential(self.store, user, self.mechanism) or fake_credential(user)
+        self._scram = ScramMechanism(self.mechanism).make_server(lambda _u: cred.auth_info())
+        self._user = user
+        try:
+            self._scram.set_client_first(msg)
+            return self._scram.get_server_first().encode()
+        except ScramException as exc:
+            raise _failed(self.mechanism) from exc
+
+    def _scram_final(self, token: bytes) -> bytes:
+        try:
+            self._scram.set_client_final(token.decode("utf-8", "replace"))
+            final = self._scram.get_server_final()
+        except ScramException as exc:
+            raise _failed(self.mechanism) from exc
+        self.principal = self._user
+        return final.encode()
