@@ -331,7 +331,9 @@ class Admin:
         start = await plog.refresh_log_start()
         if target <= start:
             return start
-        meta = await retention.set_policy(self.client, plog.stream, {"keep_from": target})
+        # a CAS that only raises keep_from: a concurrent DeleteRecords (or retention change) with a
+        # lower offset cannot move the stored log start back
+        meta = await retention.raise_keep_from(self.client, plog.stream, target)
         plog.delete_below(target)
         log.info("topic=%s partition=%d: records below %d deleted (stream %s retention %s)", topic, index, target,
                  plog.stream, meta.retention)

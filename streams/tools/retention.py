@@ -461,6 +461,28 @@ async def _last_batch_timestamp(reader: Consumer, f: Fragment) -> int | None:
 async def set_policy(client, stream_name: str, changes: dict) -> LedgerMeta:
     """Merge ``changes`` (None values remove a setting) into the stream's retention policy, by CAS
     of the ``retention`` field only."""
+    def edit(retention: dict) -> None:
+        for k, v in changes.items():
+            if v is None:
+                retention.pop(k, None)
+            else:
+                retention[k] = v
+
+    return await _update_policy(client, stream_name, edit)
+
+
+async def raise_keep_from(client, stream_name: str, offset: int) -> LedgerMeta:
+    """Set ``keep_from`` to ``offset`` unless it is already at or above it (one CAS: concurrent
+    callers never lower it)."""
+    def edit(retention: dict) -> None:
+        cur = retention.get("keep_from")
+        if not isinstance(cur, int) or cur < offset:
+            retention["keep_from"] = offset
+
+    return await _update_policy(client, stream_name, edit)
+
+
+async def _update_policy(client, stream_name: str, edit: Callable[[dict], None]) -> LedgerMeta:
     ledgers: LedgerStore = client.cluster.ledgers
     for _attempt in range(_CAS_ATTEMPTS):
         try:
@@ -468,11 +490,9 @@ async def set_policy(client, stream_name: str, changes: dict) -> LedgerMeta:
         except NoSuchLedger:
             raise NoSuchStream(f"no stream named {stream_name!r}") from None
         retention = dict(meta.retention)
-        for k, v in changes.items():
-            if v is None:
-                retention.pop(k, None)
-            else:
-                retention[k] = v
+        edit(retention)
+        if retention == meta.retention:
+            return meta
         try:
             Policy.from_dict(_policy_part(retention))
         except InvalidPolicy as exc:

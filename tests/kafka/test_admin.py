@@ -269,7 +269,11 @@ def test_delete_records_moves_the_log_start_and_sets_retention(admin, shim, kafk
     assert res.result(timeout=20).low_watermark == 30
 
     async def fresh_listener():  # the log start survives a listener fail-over: a partition opened anew has it
+        from streams.tools import retention
+
         client = await connect(kafka_cluster.metadata_url)
+        # a late, lower DeleteRecords (as from another connection) cannot lower the stored log start
+        assert (await retention.raise_keep_from(client, topic, 12)).retention["keep_from"] == 30
         plog = PartitionLog(client, topic, 0, PartitionConfig(), writable=False)
         try:
             await plog.open()

@@ -98,13 +98,13 @@ def test_mechanism_option_is_checked():
 
 
 # ---------------------------------------------------------------- a real listener
-trustme = pytest.importorskip("trustme")
-
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition  # noqa: E402
+import trustme  # noqa: E402
+from confluent_kafka import Consumer, KafkaException, Producer  # noqa: E402
 
 from streams.tools.localcluster import LocalCluster  # noqa: E402
 
 from .shimproc import ShimProcess  # noqa: E402
+from .test_tls import _end_offset, _read_all  # noqa: E402
 
 ALL = "PLAIN,SCRAM-SHA-256,SCRAM-SHA-512"
 
@@ -168,30 +168,6 @@ def _refused(bootstrap: str, topic: str, conf: dict) -> list[str]:
     p.purge()
     assert p.flush(5) == 0
     return client_errors
-
-
-def _read_all(bootstrap: str, topic: str, conf: dict, want: int) -> list[bytes]:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{topic}-{time.monotonic()}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False, **conf})
-    try:
-        c.assign([TopicPartition(topic, 0, 0)])
-        got: list[bytes] = []
-        deadline = time.monotonic() + 30
-        while len(got) < want and time.monotonic() < deadline:
-            m = c.poll(0.2)
-            if m is not None and m.error() is None:
-                got.append(m.value())
-        return got
-    finally:
-        c.close()
-
-
-def _end_offset(bootstrap: str, topic: str, conf: dict) -> int:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "watermarks", **conf})
-    try:
-        return c.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)[1]
-    finally:
-        c.close()
 
 
 @pytest.fixture

@@ -8,9 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-trustme = pytest.importorskip("trustme")
-
+import trustme
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition  # noqa: E402
 
 from streams.tools.localcluster import LocalCluster  # noqa: E402
