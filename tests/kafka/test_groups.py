@@ -265,14 +265,22 @@ def test_only_the_coordinator_serves_a_group_and_find_coordinator_batches(kafka_
     other = ShimThread(kafka_cluster.metadata_url, free_port(), node_id=None)
     other.start()
     try:
-        # exactly these two listeners live (a listener an earlier test stopped may still hold its lease)
-        admin = AdminClient({"bootstrap.servers": other.bootstrap})
+        # exactly these two listeners live (a listener an earlier test stopped may still hold its lease),
+        # and both see it: each names the same coordinators (a listener deciding from a listing made
+        # before the other joined would claim groups the other is now preferred for, which is allowed)
+        groups = tuple(f"nc-{i}" for i in range(12))
         deadline = time.monotonic() + 30
-        while {b.port for b in admin.list_topics(timeout=10).brokers.values()} != {shim.port, other.port}:
+        while True:
+            views = [AdminClient({"bootstrap.servers": f"127.0.0.1:{port}"}).list_topics(timeout=10)
+                     for port in (shim.port, other.port)]
+            answers = [call(port, FindCoordinatorRequest(key_type=0, coordinator_keys=groups), 10).coordinators
+                       for port in (shim.port, other.port)]
+            if (all({b.port for b in v.brokers.values()} == {shim.port, other.port} for v in views)
+                    and [c.port for c in answers[0]] == [c.port for c in answers[1]]):
+                break
             assert time.monotonic() < deadline, "the listeners' registrations did not settle"
             time.sleep(0.1)
-        groups = tuple(f"nc-{i}" for i in range(12))
-        found = call(other.port, FindCoordinatorRequest(key_type=0, coordinator_keys=groups), 10).coordinators
+        found = answers[1]
         assert [c.key for c in found] == list(groups) and {c.error_code for c in found} == {ErrorCode.none}
         assert {c.port for c in found} <= {shim.port, other.port}
         assert len({c.port for c in found}) == 2  # groups are spread over both shims
