@@ -1,0 +1,105 @@
+"""Client credentials shared by every part that talks to bookies or the metadata store.
+
+How this works. ``ClientSecurity`` is one frozen value carried from the user's options (the
+streams API's ``connect(..., security=...)``, the Spark connector's ``tls.*`` / ``token`` /
+``user`` / ``password`` options, the CLIs' flags) down to the bookie client (TLS towards the
+bookie's gRPC and data ports, the bookie token) and the metadata store (etcd user/password and
+TLS). Nothing here opens a socket: it only names files and secrets, and builds the ``ssl``
+contexts and gRPC credentials the transports use.
+
+Option names follow the Kafka source's style where they fit (``tls.ca`` ~ ``ssl.ca.location``):
+
+* ``tls.ca``    - CA bundle (PEM) that server certificates must chain to; turns TLS on.
+* ``tls.cert``  - client certificate (PEM) for mutual TLS; ``tls.key`` its private key.
+* ``token``     - the bookie token (``token.file``: read it from a file).
+* ``user`` / ``password`` - etcd credentials (else those of the metadata URL, if any).
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+
+class SecurityConfigError(ValueError):
+    """A credential option is missing, unreadable or inconsistent."""
+
+    retriable = False
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SecurityConfigError("tls.cert and tls.key go together (a client certificate needs its key)")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise SecurityConfigError("tls.cert needs tls.ca (mutual TLS runs over TLS)")
+        if (self.user is None) != (self.password is None):
+            raise SecurityConfigError("user and password go together")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise SecurityConfigError(f"{name.replace('_', '.')}: no such file: {path}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_ca is not None
+
+    @property
+    def empty(self) -> bool:
+        return self == ClientSecurity()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str | None]) -> ClientSecurity:
+        """From string options (``tls.ca``, ``tls.cert``, ``tls.key``, ``token``, ``token.file``,
+        ``user``, ``password``); unknown keys are ignored (the caller owns its other options)."""
+        token = options.get("token")
+        token_file = options.get("token.file")
+        if token is not None and token_file is not None:
+            raise SecurityConfigError("give token or token.file, not both")
+        if token_file is not None:
+            token = read_token_file(token_file)
+        return cls(tls_ca=options.get("tls.ca"), tls_cert=options.get("tls.cert"), tls_key=options.get("tls.key"),
+                   token=token, user=options.get("user"), password=options.get("password"))
+
+    def with_(self, **changes: str | None) -> ClientSecurity:
+        return replace(self, **changes)
+
+    # ---------------------------------------------------------------- transports
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client-side context verifying servers against ``tls_ca`` (None without TLS)."""
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+        if self.tls_cert is not None:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+    def pem(self) -> tuple[bytes | None, bytes | None, bytes | None]:
+        """(root CA, client key, client certificate) as bytes, as gRPC's credentials take them."""
+        def read(path: str | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return read(self.tls_ca), read(self.tls_key), read(self.tls_cert)
+
+
+def read_token_file(path: str | Path) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise SecurityConfigError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if not token:
+        raise SecurityConfigError(f"the token file {path} is empty")
+    return token.splitlines()[0].strip()
+
+
+NO_SECURITY = ClientSecurity()
