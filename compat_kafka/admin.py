@@ -572,7 +572,8 @@ class Admin:
             c = self.broker.config
             return [(c.node_id, c.host, c.port)]
         live = await own.brokers(max_age_s=0.5) or [own.me]
-        return [(b.node_id, b.host, b.port) for b in live]
+        listener = codec.current_listener()
+        return [(b.node_id, *b.at(listener)) for b in live]
 
     async def describe_cluster(self, req, resp_cls):
         broker_cls = nested(resp_cls, "DescribeClusterBroker")

@@ -57,6 +57,7 @@ from .errors import (
 )
 from .fetch_sessions import FetchSession, FetchSessionCache, SessionError
 from .groups import GroupConfig, GroupCoordinator
+from .interbroker import InterBrokerClient, ensure_identity
 from .ownership import OWNERS, Ownership, coordinator_key, partition_key
 from .partition import PartitionConfig, PartitionLog
 from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
@@ -87,6 +88,7 @@ class BrokerConfig:
     default_partitions: int = 1
     auto_create_topics: bool = True
     max_partitions: int = 1000
+    inter_broker_ca: str | None = None  # CA of the other listeners' certificates (calls over SSL)
     ensemble: int = 3
     write_quorum: int = 3
     ack_quorum: int = 2
@@ -154,6 +156,7 @@ class Broker:
         self.groups = GroupCoordinator(self, self.config.groups)  # consumer groups (groups.py)
         self.admin = Admin(self)  # configs, partitions, cluster (admin.py)
         self.txn = TransactionCoordinator(self, self.config.transactions)  # transactions (transactions.py)
+        self.inter_broker = InterBrokerClient(self.store, self.config.inter_broker_ca)  # WriteTxnMarkers
         self._handlers.update(self.groups.handlers())
         self._handlers.update(self.admin.handlers())
         self._handlers.update(self.txn.handlers())
@@ -185,10 +188,14 @@ class Broker:
     def node_id(self) -> int:
         return self.ownership.node_id
 
-    async def start(self, port: int | None = None) -> None:
-        """Register as a broker (``port``: the port actually listened on, when configured as 0)."""
-        if port is not None and self.config.port == 0:
+    async def start(self, port: int | None = None, listeners: list[tuple[str, int]] = ()) -> None:
+        """Register as a broker (``port``: the port actually listened on, when configured as 0;
+        ``listeners``: (name, port) of every listener, advertised at ``config.host``)."""
+        if port is not None and (self.config.port == 0 or listeners):
             self.ownership.port = port
+        self.ownership.endpoints = tuple((name, self.config.host, p) for name, p in listeners)
+        if any(name.startswith("SASL_") for name, _p in listeners):
+            await ensure_identity(self.store)  # other listeners call this one as the broker user
         await self.ownership.start()
         self.txn.start()
 
@@ -196,7 +203,7 @@ class Broker:
         """(node id, host, port) of the shim coordinating ``key`` (a group when key_type is 0, a
         transactional id when 1): the holder of its coordinator key, else the preferred live shim."""
         b = await self.ownership.owner(coordinator_key(key_type, key)) or self.ownership.me
-        return b.node_id, b.host, b.port
+        return (b.node_id, *b.at(codec.current_listener()))
 
     async def is_coordinator(self, key_type: int, key: str) -> bool:
         """Whether this shim coordinates ``key`` now, claiming it if it is unowned and this shim is
@@ -409,7 +416,9 @@ class Broker:
                                    leader_epoch=-1, replica_nodes=(leader,), isr_nodes=(leader,), offline_replicas=()))
             topics.append(build(topic_cls, error_code=ErrorCode.none, name=m.name, topic_id=m.topic_id,
                                 is_internal=False, partitions=tuple(parts)))
-        brokers = tuple(build(broker_cls, node_id=b.node_id, host=b.host, port=b.port, rack=None) for b in live)
+        listener = codec.current_listener()
+        brokers = tuple(build(broker_cls, node_id=b.node_id, host=b.at(listener)[0], port=b.at(listener)[1], rack=None)
+                        for b in live)
         return build(resp_cls, throttle_time=ZERO_MS, brokers=brokers, cluster_id=c.cluster_id,
                      controller_id=live[0].node_id, topics=tuple(topics))
 

@@ -23,7 +23,7 @@ import click
 from . import sasl
 from .broker import Broker, BrokerConfig
 from .group_cli import groups_command
-from .server import KafkaServer, ServerConfig, TlsConfig
+from .server import KafkaServer, ListenerConfig, ServerConfig, TlsConfig
 
 
 async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,
@@ -82,12 +82,20 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
               show_default=True, help="required: mutual TLS, a client without a trusted certificate is refused")
 @click.option("--sasl-mechanisms", default=None,
               help="turn on SASL: comma-separated PLAIN,SCRAM-SHA-256,SCRAM-SHA-512 (users: `scroll kafka user add`)")
+@click.option("--listener", "listeners", multiple=True, metavar="PROTOCOL://HOST:PORT",
+              help="a listener (repeatable; PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL), e.g. --listener "
+                   "PLAINTEXT://127.0.0.1:9092 --listener SASL_SSL://127.0.0.1:9093; SSL ones use --ssl-*, SASL "
+                   "ones --sasl-mechanisms [default: one on --host/--port, its protocol from --ssl-cert/--sasl-mechanisms]")
+@click.option("--inter-broker-ca", default=None, type=click.Path(dir_okay=False),
+              help="PEM CA that issued the other listeners' certificates, to call them over SSL (transaction "
+                   "markers) when they have no PLAINTEXT listener [default: --ssl-client-ca]")
 @click.pass_context
 def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port: int, advertised_host: str,
                   node_id: int | None, lease_ttl: float, test_drop_produce_response_every: int,
                   default_partitions: int, no_auto_create: bool, max_frame_bytes: int, metrics_port: int | None,
                   metrics_host: str, no_fetch_sessions: bool, ssl_cert: str | None, ssl_key: str | None,
-                  ssl_client_ca: str | None, ssl_client_auth: str, sasl_mechanisms: str | None) -> None:
+                  ssl_client_ca: str | None, ssl_client_auth: str, sasl_mechanisms: str | None,
+                  listeners: tuple[str, ...], inter_broker_ca: str | None) -> None:
     """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams.
 
     \b
@@ -112,12 +120,20 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
         elif ssl_client_ca or ssl_client_auth != "none":
             raise ValueError("--ssl-client-ca and --ssl-client-auth need --ssl-cert and --ssl-key")
         mechanisms = sasl.parse_mechanisms(sasl_mechanisms) if sasl_mechanisms is not None else ()
+        parsed = tuple(ListenerConfig.parse(spec, tls, mechanisms) for spec in listeners)
+        if parsed:
+            port = parsed[0].port
+            if tls is not None and not any(li.tls_on for li in parsed):
+                raise ValueError("--ssl-cert is given but no listener is SSL or SASL_SSL")
+            if mechanisms and not any(li.sasl_on for li in parsed):
+                raise ValueError("--sasl-mechanisms is given but no listener is SASL_PLAINTEXT or SASL_SSL")
         server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes, tls=tls,
-                                     sasl_mechanisms=mechanisms)
+                                     sasl_mechanisms=mechanisms, listeners=parsed)
         broker_config = BrokerConfig(host=advertised_host, port=port, node_id=node_id, lease_ttl_s=lease_ttl,
                                      default_partitions=default_partitions, auto_create_topics=not no_auto_create,
                                      drop_produce_response_every=test_drop_produce_response_every,
-                                     fetch_sessions=not no_fetch_sessions)
+                                     fetch_sessions=not no_fetch_sessions,
+                                     inter_broker_ca=inter_broker_ca or ssl_client_ca)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     metrics = None

@@ -162,6 +162,19 @@ def current_client_host() -> str:
     return _CLIENT_HOST.get()
 
 
+# The name of the listener a request came in on (``PLAINTEXT``, ``SSL``, ``SASL_SSL``, ...): Metadata
+# and FindCoordinator answer with each broker's address on that same listener, as Kafka does.
+_LISTENER: contextvars.ContextVar[str | None] = contextvars.ContextVar("kafka_listener", default=None)
+
+
+def set_listener(name: str | None) -> None:
+    _LISTENER.set(name)
+
+
+def current_listener() -> str | None:
+    return _LISTENER.get()
+
+
 # The SASL principal of the connection a request came on (None: SASL off, or not authenticated).
 # The server sets a mutable holder once per connection; request tasks inherit it and see the
 # principal once the connection has authenticated.

@@ -72,17 +72,33 @@ def coordinator_key(key_type: int, key: str) -> str:
 
 @dataclass(frozen=True, order=True)
 class BrokerInfo:
+    """A live listener process: its node id, its primary (first) endpoint, and every endpoint as
+    (listener name, host, port) - a client is told the address of the listener it came in on, as
+    Kafka's ``advertised.listeners`` do."""
+
     node_id: int
     host: str
     port: int
+    endpoints: tuple[tuple[str, str, int], ...] = ()
+
+    def at(self, listener: str | None) -> tuple[str, int]:
+        """(host, port) of the named listener (the primary endpoint if it has none by that name)."""
+        for name, host, port in self.endpoints:
+            if name == listener:
+                return host, port
+        return self.host, self.port
 
     def encode(self) -> bytes:
-        return json.dumps({"node_id": self.node_id, "host": self.host, "port": self.port}).encode()
+        d = {"node_id": self.node_id, "host": self.host, "port": self.port}
+        if self.endpoints:
+            d["endpoints"] = [list(e) for e in self.endpoints]
+        return json.dumps(d).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> BrokerInfo:
         d = json.loads(raw)
-        return cls(int(d["node_id"]), str(d["host"]), int(d["port"]))
+        endpoints = tuple((str(n), str(h), int(p)) for n, h, p in d.get("endpoints", ()))
+        return cls(int(d["node_id"]), str(d["host"]), int(d["port"]), endpoints)
 
 
 def preferred(resource: str, node_ids: list[int]) -> int | None:
@@ -103,6 +119,7 @@ class Ownership:
         self.store = store
         self.host = host
         self.port = port
+        self.endpoints: tuple[tuple[str, str, int], ...] = ()  # (listener name, host, port); set before start
         self.node_id = node_id
         self.ttl_s = ttl_s
         self.on_lost = on_lost
@@ -117,7 +134,7 @@ class Ownership:
 
     @property
     def me(self) -> BrokerInfo:
-        return BrokerInfo(self.node_id, self.host, self.port)
+        return BrokerInfo(self.node_id, self.host, self.port, self.endpoints)
 
     # ---------------------------------------------------------------- registration
     async def start(self) -> None:

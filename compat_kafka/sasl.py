@@ -38,9 +38,14 @@ def cred_key(user: str, mechanism: str) -> str:
     return f"{PREFIX}{user}/{mechanism}"
 
 
+RESERVED_PREFIX = "__"  # __scroll_broker: the listeners' own identity (interbroker.py)
+
+
 def check_user_name(user: str) -> None:
     if not user or "/" in user or len(user) > 255 or not user.isprintable():
         raise ValueError(f"invalid user name {user!r}: 1-255 printable characters, no '/'")
+    if user.startswith(RESERVED_PREFIX):
+        raise ValueError(f"invalid user name {user!r}: names starting with {RESERVED_PREFIX!r} are reserved")
 
 
 def parse_mechanisms(text: str) -> tuple[str, ...]:
@@ -96,6 +101,12 @@ def check_plain(cred: ScramCredential, password: str) -> bool:
 async def add_user(store, user: str, password: str, mechanisms=SCRAM_MECHANISMS,
                    iterations: int = DEFAULT_ITERATIONS) -> None:
     check_user_name(user)
+    await store_credentials(store, user, password, mechanisms, iterations)
+
+
+async def store_credentials(store, user: str, password: str, mechanisms=SCRAM_MECHANISMS,
+                            iterations: int = DEFAULT_ITERATIONS) -> None:
+    """Store the salted credentials (no name check: also the reserved broker user's)."""
     for m in mechanisms:
         if m not in SCRAM_MECHANISMS:
             raise ValueError(f"credentials are stored for {', '.join(SCRAM_MECHANISMS)} (PLAIN uses SCRAM-SHA-256)")
@@ -104,6 +115,7 @@ async def add_user(store, user: str, password: str, mechanisms=SCRAM_MECHANISMS,
 
 
 async def remove_user(store, user: str) -> bool:
+    check_user_name(user)
     found = False
     for m in SCRAM_MECHANISMS:
         found = await store.delete(cred_key(user, m)) or found
@@ -114,7 +126,8 @@ async def list_users(store) -> dict[str, list[str]]:
     users: dict[str, list[str]] = {}
     for key, _v in await store.list_prefix(PREFIX):
         user, _, mech = key[len(PREFIX):].rpartition("/")
-        users.setdefault(user, []).append(mech)
+        if not user.startswith(RESERVED_PREFIX):
+            users.setdefault(user, []).append(mech)
     return {u: sorted(ms) for u, ms in sorted(users.items())}
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 import struct
@@ -76,6 +77,54 @@ class TlsConfig:
         return ctx
 
 
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+
+
+@dataclass(frozen=True)
+class ListenerConfig:
+    """One listening socket, as one entry of Kafka's ``listeners``: its security protocol (also its
+    name: one listener per protocol), where it binds, and the TLS and SASL settings it uses."""
+
+    protocol: str = "PLAINTEXT"
+    host: str = "127.0.0.1"
+    port: int = 9092  # 0: any free port
+    tls: TlsConfig | None = None
+    sasl_mechanisms: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown security protocol {self.protocol!r}; one of {', '.join(PROTOCOLS)}")
+        if self.protocol.endswith("SSL") and self.tls is None:
+            raise ValueError(f"the {self.protocol} listener needs a certificate and key (--ssl-cert/--ssl-key)")
+        if self.protocol.startswith("SASL_") and not self.sasl_mechanisms:
+            raise ValueError(f"the {self.protocol} listener needs SASL mechanisms (--sasl-mechanisms)")
+        if any(m not in sasl.MECHANISMS for m in self.sasl_mechanisms):
+            raise ValueError(f"unsupported SASL mechanisms {self.sasl_mechanisms}; supported: {sasl.MECHANISMS}")
+
+    @property
+    def name(self) -> str:
+        return self.protocol
+
+    @property
+    def tls_on(self) -> bool:
+        return self.protocol.endswith("SSL")
+
+    @property
+    def sasl_on(self) -> bool:
+        return self.protocol.startswith("SASL_")
+
+    @classmethod
+    def parse(cls, spec: str, tls: TlsConfig | None, sasl_mechanisms: tuple[str, ...]) -> ListenerConfig:
+        """``PROTOCOL://host:port`` (Kafka's ``listeners`` syntax; an empty host binds 127.0.0.1)."""
+        proto, sep, rest = spec.partition("://")
+        host, colon, port = rest.rpartition(":")
+        if not sep or not colon or not port.isdigit():
+            raise ValueError(f"a listener is PROTOCOL://host:port (e.g. SASL_SSL://127.0.0.1:9093), not {spec!r}")
+        proto = proto.upper()
+        return cls(proto, host.strip("[]") or "127.0.0.1", int(port), tls if proto.endswith("SSL") else None,
+                   sasl_mechanisms if proto.startswith("SASL_") else ())
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -85,67 +134,88 @@ class ServerConfig:
     max_connections: int = 1000
     tls: TlsConfig | None = None  # None: PLAINTEXT
     sasl_mechanisms: tuple[str, ...] = ()  # e.g. ("PLAIN", "SCRAM-SHA-256"); empty: no SASL
+    # several listeners (PLAINTEXT beside SASL_SSL, say); empty: one, from host/port/tls/sasl_mechanisms
+    listeners: tuple[ListenerConfig, ...] = ()
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024 or self.max_inflight_requests < 1 or self.max_connections < 1:
             raise ValueError(f"invalid server config {self}")
-        if any(m not in sasl.MECHANISMS for m in self.sasl_mechanisms):
-            raise ValueError(f"unsupported SASL mechanisms {self.sasl_mechanisms}; supported: {sasl.MECHANISMS}")
+        if not self.listeners:
+            protocol = ("SASL_" if self.sasl_mechanisms else "") + ("SSL" if self.tls else "PLAINTEXT")
+            object.__setattr__(self, "listeners", (ListenerConfig(protocol, self.host, self.port, self.tls,
+                                                                  self.sasl_mechanisms),))
+        names = [li.name for li in self.listeners]
+        if len(set(names)) != len(names):
+            raise ValueError(f"one listener per security protocol, got {', '.join(names)}")
 
 
 class KafkaServer:
     def __init__(self, broker: Broker, config: ServerConfig | None = None):
         self.broker = broker
         self.config = config or ServerConfig()
-        self._server: asyncio.AbstractServer | None = None
+        self._servers: list[tuple[ListenerConfig, asyncio.AbstractServer]] = []
         self._conns: set[asyncio.Task] = set()
 
     @property
     def port(self) -> int:
-        assert self._server is not None, "server not started"
-        return self._server.sockets[0].getsockname()[1]
+        """The port of the first listener."""
+        assert self._servers, "server not started"
+        return self._servers[0][1].sockets[0].getsockname()[1]
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Listener name -> the port it listens on."""
+        return {li.name: srv.sockets[0].getsockname()[1] for li, srv in self._servers}
 
     async def start(self) -> None:
-        """Bind, register the broker (with the bound port when configured as 0), then serve."""
-        tls = self.config.tls.server_context() if self.config.tls is not None else None
-        # a handshake that fails (a plaintext client, an untrusted or missing client certificate)
-        # is logged by asyncio and the connection closed before any request is read
-        self._server = await asyncio.start_server(self._connection, self.config.host, self.config.port,
-                                                  start_serving=False, ssl=tls,
-                                                  ssl_handshake_timeout=10.0 if tls is not None else None)
+        """Bind every listener, register the broker with their ports, then serve."""
         try:
-            await self.broker.start(self.port)
+            for li in self.config.listeners:
+                tls = li.tls.server_context() if li.tls_on else None
+                # a handshake that fails (a plaintext client, an untrusted or missing client
+                # certificate) is logged by asyncio and the connection closed before any request
+                srv = await asyncio.start_server(functools.partial(self._connection, li), li.host, li.port,
+                                                 start_serving=False, ssl=tls,
+                                                 ssl_handshake_timeout=10.0 if tls is not None else None)
+                self._servers.append((li, srv))
+            ports = self.ports
+            await self.broker.start(self.port, [(li.name, ports[li.name]) for li in self.config.listeners])
         except BaseException:
-            self._server.close()
+            for _li, srv in self._servers:
+                srv.close()
             raise
-        await self._server.start_serving()
-        protocol = ("SASL_" if self.config.sasl_mechanisms else "") + ("SSL" if self.config.tls else "PLAINTEXT")
-        log.info("Kafka shim node %s listening on %s:%d (%s)", self.broker.node_id, self.config.host, self.port,
-                 protocol + (f" {','.join(self.config.sasl_mechanisms)}" if self.config.sasl_mechanisms else ""))
+        for li, srv in self._servers:
+            await srv.start_serving()
+            log.info("Kafka shim node %s listening on %s:%d (%s)", self.broker.node_id, li.host,
+                     srv.sockets[0].getsockname()[1],
+                     li.protocol + (f" {','.join(li.sasl_mechanisms)}" if li.sasl_on else ""))
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for _li, srv in self._servers:
+            srv.close()
         for t in list(self._conns):
             t.cancel()
         for t in list(self._conns):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self._server is not None:
+        for _li, srv in self._servers:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+                await asyncio.wait_for(srv.wait_closed(), 2.0)
         await self.broker.close()
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connection(self, listener: ListenerConfig, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
         try:
-            await self._serve_connection(reader, writer)
+            await self._serve_connection(listener, reader, writer)
         except asyncio.CancelledError:  # server stopping
             writer.close()
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(self, listener: ListenerConfig, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         peer = writer.get_extra_info("peername")
         codec.set_client_host(peer)  # inherited by this connection's request tasks (group members' host)
+        codec.set_listener(listener.name)  # Metadata/FindCoordinator answer with this listener's addresses
         if len(self._conns) >= self.config.max_connections:
             log.warning("refusing connection from %s: %d connections open", peer, len(self._conns))
             writer.close()
@@ -158,7 +228,7 @@ class KafkaServer:
         dispatcher = asyncio.create_task(self._dispatch_loop(requests, queue))
         sender = asyncio.create_task(self._send_loop(queue, writer))
         try:
-            await self._read_loop(reader, requests, peer, auth)
+            await self._read_loop(listener, reader, requests, peer, auth)
         except ProtocolError as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -175,8 +245,8 @@ class KafkaServer:
                 await writer.wait_closed()
             self._conns.discard(task)
 
-    async def _read_loop(self, reader: asyncio.StreamReader, requests: asyncio.Queue, peer,
-                         auth: codec.ConnectionAuth) -> None:
+    async def _read_loop(self, listener: ListenerConfig, reader: asyncio.StreamReader, requests: asyncio.Queue,
+                         peer, auth: codec.ConnectionAuth) -> None:
         session: list[sasl.SaslSession] = []  # the mechanism chosen by SaslHandshake
         while True:
             try:
@@ -186,7 +256,7 @@ class KafkaServer:
                     raise ProtocolError(f"truncated frame size ({len(exc.partial)} bytes)") from exc
                 return  # clean end of stream
             (size,) = _SIZE.unpack(head)
-            unauthenticated = bool(self.config.sasl_mechanisms) and auth.principal is None
+            unauthenticated = listener.sasl_on and auth.principal is None
             # before authenticating, frames are small (Kafka: sasl max receive size, 512 KiB)
             codec.check_frame_size(size, min(self.config.max_frame_bytes, _PRE_AUTH_MAX_FRAME) if unauthenticated
                                    else self.config.max_frame_bytes)
@@ -202,7 +272,7 @@ class KafkaServer:
                 await requests.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
                 continue
             if req.api_key in (codec.API_SASL_HANDSHAKE, codec.API_SASL_AUTHENTICATE):
-                body, close = await self._sasl(req, auth, session, peer)
+                body, close = await self._sasl(listener, req, auth, session, peer)
                 await requests.put(_done(codec.encode_response(req.correlation_id, body)))
                 if close:
                     return
@@ -212,10 +282,11 @@ class KafkaServer:
             self.broker.prepare(req)  # e.g. start opening a produce's partitions (no effect a client sees)
             await requests.put(req)
 
-    async def _sasl(self, req: codec.Request, auth: codec.ConnectionAuth, session: list, peer) -> tuple[Any, bool]:
+    async def _sasl(self, listener: ListenerConfig, req: codec.Request, auth: codec.ConnectionAuth, session: list,
+                    peer) -> tuple[Any, bool]:
         """The answer to a SaslHandshake or SaslAuthenticate, and whether to close the connection."""
         resp_cls = codec.response_schema(req.api_key, req.api_version)
-        mechs = self.config.sasl_mechanisms
+        mechs = listener.sasl_mechanisms
         if req.api_key == codec.API_SASL_HANDSHAKE:
             if auth.principal is not None or session:
                 return codec.build(resp_cls, error_code=ErrorCode.illegal_sasl_state, mechanisms=mechs), True

@@ -790,7 +790,6 @@ class TransactionCoordinator:
 
     async def _write_markers_remote(self, node: int, meta: TxnMeta, commit: bool, tps) -> list:
         from kio.schema.write_txn_markers.v1 import request as wreq
-        from kio.schema.write_txn_markers.v1.response import WriteTxnMarkersResponse
 
         topics: dict[str, list[int]] = {}
         for t, p in tps:
@@ -801,7 +800,7 @@ class TransactionCoordinator:
             coordinator_epoch=meta.coordinator_epoch),))
         try:
             info = next(b for b in await self.broker.ownership.brokers() if b.node_id == node)
-            resp = await _call(info.host, info.port, body, WriteTxnMarkersResponse, timeout_s=15.0)
+            resp = await self.broker.inter_broker.call(info, body, timeout_s=15.0)
         except Exception as exc:
             return [NotLeaderOrFollower(f"node {node}: {exc!r}")] * len(tps)
         codes = {(t.name, p.partition_index): p.error_code for m in resp.markers for t in m.topics
@@ -1111,23 +1110,3 @@ def partition_key_of(topic: str, index: int) -> str:
     from .ownership import partition_key
 
     return partition_key(topic, index)
-
-
-async def _call(host: str, port: int, body, resp_schema, timeout_s: float):
-    """One request on a fresh connection to another listener (markers are rare: no pooling)."""
-    import struct as _s
-
-    async def run():
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(codec.encode_request(body, 1, client_id="scroll-txn-coordinator"))
-            await writer.drain()
-            (n,) = _s.unpack(">i", await reader.readexactly(4))
-            _, resp = codec.decode_response(await reader.readexactly(n), body.__api_key__, body.__version__)
-            return resp
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    return await asyncio.wait_for(run(), timeout_s)

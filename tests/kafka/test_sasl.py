@@ -100,8 +100,9 @@ def test_mechanism_option_is_checked():
 # ---------------------------------------------------------------- a real listener
 import trustme  # noqa: E402
 from confluent_kafka import Consumer, KafkaException, Producer  # noqa: E402
+from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from streams.tools.localcluster import LocalCluster  # noqa: E402
+from streams.tools.localcluster import LocalCluster, free_port  # noqa: E402
 
 from .shimproc import ShimProcess  # noqa: E402
 from .test_tls import _end_offset, _read_all  # noqa: E402
@@ -294,3 +295,101 @@ def test_the_protocol_before_authentication(sasl_shim):
         assert r.error_code == ErrorCode.sasl_authentication_failed and "Authentication failed" in r.error_message
         with pytest.raises(ConnectionError):
             c.call(md)
+
+
+def test_plaintext_listener_beside_sasl_ssl(sasl_cluster, users, tmp_path):
+    """Two listeners in one process (Kafka's ``listeners``): each answers Metadata with the brokers'
+    addresses on the listener the client came in on, so a SASL_SSL client stays on SASL_SSL and a
+    PLAINTEXT client on PLAINTEXT; both read the same log."""
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    server.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    with open(tmp_path / "server.pem", "wb") as f:
+        for blob in server.cert_chain_pems:
+            f.write(blob.bytes())
+    secure_port = free_port()
+    shim = ShimProcess(sasl_cluster.metadata_url, tmp_path, "--sasl-mechanisms", "SCRAM-SHA-256",
+                       "--ssl-cert", str(tmp_path / "server.pem"), "--ssl-key", str(tmp_path / "server.key"))
+    plain_port = shim.port
+    shim.args += ["--listener", f"PLAINTEXT://127.0.0.1:{plain_port}",
+                  "--listener", f"SASL_SSL://127.0.0.1:{secure_port}"]
+    shim.start_and_wait()
+    try:
+        secure = f"127.0.0.1:{secure_port}"
+        conf = {**_sasl("SCRAM-SHA-256", protocol="SASL_SSL"), "ssl.ca.location": str(tmp_path / "ca.pem")}
+        seen = AdminClient({"bootstrap.servers": secure, **conf}).list_topics(timeout=20)
+        assert {b.port for b in seen.brokers.values()} == {secure_port}
+        seen = AdminClient({"bootstrap.servers": shim.bootstrap}).list_topics(timeout=20)
+        assert {b.port for b in seen.brokers.values()} == {plain_port}
+        assert _produce(secure, "t-two", 3, conf)[0] == []
+        assert _produce(shim.bootstrap, "t-two", 2, {})[0] == []
+        assert _read_all(secure, "t-two", conf, 5) == [b"v0", b"v1", b"v2", b"v0", b"v1"]
+        # a plaintext client on the SASL_SSL port gets nowhere and writes nothing
+        assert _refused(secure, "t-two", {})
+        assert _end_offset(shim.bootstrap, "t-two", {}) == 5
+    finally:
+        shim.stop()
+
+
+def test_transaction_markers_cross_sasl_ssl_listeners(sasl_cluster, users, tmp_path):
+    """Two listener processes that serve only SASL_SSL: a transaction over partitions owned by both
+    commits, so the coordinator's WriteTxnMarkers reached the other listener through TLS (checked
+    against --inter-broker-ca) and SASL (the brokers' own identity from the metadata store)."""
+    from confluent_kafka.admin import NewTopic
+
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    server.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    with open(tmp_path / "server.pem", "wb") as f:
+        for blob in server.cert_chain_pems:
+            f.write(blob.bytes())
+    shims = []
+    for _ in range(2):
+        s = ShimProcess(sasl_cluster.metadata_url, tmp_path, "--sasl-mechanisms", "SCRAM-SHA-512",
+                        "--ssl-cert", str(tmp_path / "server.pem"), "--ssl-key", str(tmp_path / "server.key"),
+                        "--inter-broker-ca", str(tmp_path / "ca.pem"))
+        shims.append(s)
+        s.start()
+    try:
+        for s in shims:
+            s.wait_listening()
+        bootstrap = ",".join(s.bootstrap for s in shims)
+        conf = {**_sasl("SCRAM-SHA-512", protocol="SASL_SSL"), "ssl.ca.location": str(tmp_path / "ca.pem")}
+        admin = AdminClient({"bootstrap.servers": bootstrap, **conf})
+        deadline = time.monotonic() + 30
+        while len(admin.list_topics(timeout=10).brokers) != 2:  # both registered, as each other sees
+            assert time.monotonic() < deadline, "the two listeners did not both register"
+            time.sleep(0.1)
+        admin.create_topics([NewTopic("t-txn-ssl", 6, 1)])["t-txn-ssl"].result(30)
+        deadline = time.monotonic() + 30
+        while True:
+            md = admin.list_topics("t-txn-ssl", timeout=10).topics["t-txn-ssl"]
+            if len({p.leader for p in md.partitions.values()}) == 2:
+                break
+            assert time.monotonic() < deadline, "the partitions are not spread over both listeners"
+            time.sleep(0.1)
+        p = Producer({"bootstrap.servers": bootstrap, "transactional.id": "ssl-txn", **conf})
+        p.init_transactions(30)
+        p.begin_transaction()
+        for part in range(6):
+            p.produce("t-txn-ssl", b"c%d" % part, partition=part)
+        p.commit_transaction(30)
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": "ssl-txn-reader", "auto.offset.reset": "earliest",
+                      "isolation.level": "read_committed", "enable.auto.commit": False, **conf})
+        try:
+            c.subscribe(["t-txn-ssl"])
+            got: list[bytes] = []
+            deadline = time.monotonic() + 60
+            while len(got) < 6 and time.monotonic() < deadline:
+                m = c.poll(0.2)
+                if m is not None and m.error() is None:
+                    got.append(m.value())
+        finally:
+            c.close()
+        assert sorted(got) == [b"c%d" % i for i in range(6)]
+        assert any("markers for" in s.log_text() for s in shims)  # a WriteTxnMarkers between the listeners
+    finally:
+        for s in shims:
+            s.stop()

@@ -1,0 +1,148 @@
+"""Calls from one listener process to another (WriteTxnMarkers), through the listeners' security.
+
+How this works. A transaction coordinator writes its markers into partitions another listener owns
+by sending that listener a WriteTxnMarkers request, as Kafka brokers do over their inter-broker
+listener. Each listener registers every endpoint it serves (``BrokerInfo.endpoints``); a call goes
+to the least encumbered one: PLAINTEXT, then SASL_PLAINTEXT, then SSL, then SASL_SSL. Over TLS the
+other listener's certificate is checked against ``inter_broker_ca`` (the CA that issued the
+listeners' certificates); there is no unverified TLS. Over SASL the caller authenticates as the
+reserved user ``__scroll_broker`` (SCRAM-SHA-256/512 or PLAIN, whichever the other listener offers),
+whose password is a random secret in the metadata store (``kafka/internal/broker-secret``): any
+listener that can read the metadata store can act as a broker, nothing else can. The first listener
+with a SASL listener creates the secret and the user's SCRAM credentials; the user is hidden from
+``scroll kafka user list`` and cannot be added, removed or altered by clients. ACLs treat it as a
+superuser (``acls.BROKER_PRINCIPAL``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import ssl
+import struct
+
+from kio.schema.errors import ErrorCode
+from scramp import ScramClient
+
+from . import codec, sasl
+from .ownership import BrokerInfo
+
+BROKER_USER = "__scroll_broker"
+BROKER_PRINCIPAL = f"User:{BROKER_USER}"
+SECRET_KEY = "kafka/internal/broker-secret"
+_ORDER = ("PLAINTEXT", "SASL_PLAINTEXT", "SSL", "SASL_SSL")
+_SIZE = struct.Struct(">i")
+
+
+class InterBrokerError(Exception):
+    """Another listener could not be called (no usable endpoint, TLS or SASL refused)."""
+
+
+async def ensure_identity(store) -> str:
+    """The brokers' shared secret, creating it and the user's credentials on first use."""
+    v = await store.get(SECRET_KEY)
+    if v is None:
+        await store.create(SECRET_KEY, secrets.token_urlsafe(32).encode())  # None: another listener won
+        v = await store.get(SECRET_KEY)
+    secret = v.value.decode()
+    if await sasl.load_credential(store, BROKER_USER, "SCRAM-SHA-256") is None:  # the creator died halfway
+        await sasl.store_credentials(store, BROKER_USER, secret)
+    return secret
+
+
+def endpoint_for_calls(info: BrokerInfo) -> tuple[str, str, int]:
+    """(protocol, host, port) of the endpoint another listener is called on."""
+    if not info.endpoints:  # registered by a listener without named endpoints: plaintext
+        return "PLAINTEXT", info.host, info.port
+    return min(info.endpoints, key=lambda e: _ORDER.index(e[0]) if e[0] in _ORDER else len(_ORDER))
+
+
+class InterBrokerClient:
+    """Makes one request on a fresh connection to another listener (markers are rare: no pooling)."""
+
+    def __init__(self, store, ca_file: str | None = None):
+        self.store = store
+        self.ca_file = ca_file
+        self._ssl: ssl.SSLContext | None = None
+        self._mechanism: dict[tuple[str, int], str] = {}  # (host, port) -> the SASL mechanism it took
+
+    def _context(self) -> ssl.SSLContext:
+        if self.ca_file is None:
+            raise InterBrokerError("the other listener speaks TLS only: give --inter-broker-ca (the CA that "
+                                   "issued the listeners' certificates) to call it")
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context(cafile=self.ca_file)
+        return self._ssl
+
+    async def call(self, info: BrokerInfo, body, timeout_s: float):
+        """The response to ``body`` from the listener ``info``."""
+        return await asyncio.wait_for(self._call(*endpoint_for_calls(info), body), timeout_s)
+
+    async def _call(self, protocol: str, host: str, port: int, body):
+        tls = self._context() if protocol.endswith("SSL") else None
+        mechs = [self._mechanism.get((host, port), "SCRAM-SHA-256")]
+        while True:
+            reader, writer = await asyncio.open_connection(host, port, ssl=tls)
+            try:
+                corr = 1
+                if protocol.startswith("SASL_"):
+                    offered = await self._authenticate(reader, writer, mechs[-1])
+                    if offered is not None:  # that mechanism is not served there: one more connection
+                        usable = [m for m in ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN") if m in offered]
+                        if not usable or usable[0] in mechs:
+                            raise InterBrokerError(f"{host}:{port} offers no usable SASL mechanism ({offered})")
+                        mechs.append(usable[0])
+                        continue
+                    self._mechanism[(host, port)] = mechs[-1]
+                    corr = 4
+                writer.write(codec.encode_request(body, corr, client_id="scroll-inter-broker"))
+                await writer.drain()
+                return await _receive(reader, body)
+            finally:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+
+    async def _authenticate(self, reader, writer, mechanism: str) -> list[str] | None:
+        """Authenticate as the broker user; the mechanisms offered if ``mechanism`` is not one."""
+        from kio.schema.sasl_authenticate.v2.request import SaslAuthenticateRequest
+        from kio.schema.sasl_handshake.v1.request import SaslHandshakeRequest
+
+        v = await self.store.get(SECRET_KEY)
+        if v is None:
+            raise InterBrokerError(f"no broker secret at {SECRET_KEY} (no listener with SASL has started)")
+        secret = v.value.decode()
+        corr = iter(range(1, 4))
+
+        async def ask(body):
+            writer.write(codec.encode_request(body, next(corr), client_id="scroll-inter-broker"))
+            await writer.drain()
+            return await _receive(reader, body)
+
+        async def token(data: bytes) -> bytes:
+            r = await ask(SaslAuthenticateRequest(auth_bytes=data))
+            if r.error_code != ErrorCode.none:
+                raise InterBrokerError(f"the other listener refused the broker identity: {r.error_message}")
+            return r.auth_bytes
+
+        hs = await ask(SaslHandshakeRequest(mechanism=mechanism))
+        if hs.error_code == ErrorCode.unsupported_sasl_mechanism:
+            return list(hs.mechanisms)
+        if hs.error_code != ErrorCode.none:
+            raise InterBrokerError(f"SaslHandshake refused: {hs.error_code.name}")
+        if mechanism == "PLAIN":
+            await token(b"\0" + BROKER_USER.encode() + b"\0" + secret.encode())
+            return None
+        client = ScramClient([mechanism], BROKER_USER, secret)
+        client.set_server_first((await token(client.get_client_first().encode())).decode())
+        client.set_server_final((await token(client.get_client_final().encode())).decode())
+        return None
+
+
+async def _receive(reader, body):
+    (n,) = _SIZE.unpack(await reader.readexactly(4))
+    _, resp = codec.decode_response(await reader.readexactly(n), body.__api_key__, body.__version__)
+    return resp
+
+
