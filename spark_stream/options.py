@@ -26,7 +26,15 @@ The option names and meanings mirror Spark's Kafka source:
 ``failOnDataLoss``     ``true`` (default) | ``false``
 ``minPartitions``      split large ranges so at least this many tasks read in parallel
 ``includeHeaders``     ``false`` (default) | ``true``: add the ``headers`` column
+``tls.ca``             a secured cluster: the CA (PEM) bookies' (and etcd's, ``etcds://``) certificates chain to
+``tls.cert``/``tls.key`` client certificate and key (PEM) for mutual TLS
+``token``/``token.file`` the bookie token, or a file holding it
+``user``/``password``  etcd credentials (else those in the metadata URL); Spark redacts ``password``/``token``
 =====================  ==========================================================================
+
+The credential options mean the same in the source and the sink, and the same as in
+``streams.connect(url, security=ClientSecurity(...))`` (``fragments.security``); files are read
+where the client runs (driver and executors alike), so they must exist at that path on every host.
 
 As in Spark's Kafka source, ``startingTimestamp`` wins over ``startingOffsetsByTimestamp``, which wins
 over ``startingOffsets`` (the same for the ending options), and a timestamp finds the first *record*
@@ -41,6 +49,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from fragments.security import ClientSecurity, SecurityConfigError
 from streams.batches import COMPRESSION
 from streams.topics import partition_stream
 
@@ -100,6 +109,16 @@ def _metadata(options: Mapping[str, str]) -> str:
     if "://" not in url:
         raise ScrollOptionError(f"option 'metadata' must be a URL such as etcd://127.0.0.1:2379, got {url!r}")
     return url
+
+
+SECURITY_OPTIONS = ("tls.ca", "tls.cert", "tls.key", "token", "token.file", "user", "password")
+
+
+def _security(options: Mapping[str, str]) -> ClientSecurity:
+    try:
+        return ClientSecurity.from_options({k: _get(options, k) for k in SECURITY_OPTIONS})
+    except SecurityConfigError as exc:
+        raise ScrollOptionError(f"credential options: {exc}") from None
 
 
 def _offset_value(name: str, where: str, v) -> int:
@@ -199,6 +218,7 @@ class ReadOptions:
     fail_on_data_loss: bool
     min_partitions: int | None
     include_headers: bool
+    security: ClientSecurity = ClientSecurity()
 
     @classmethod
     def parse(cls, options: Mapping[str, str], *, streaming: bool) -> ReadOptions:
@@ -258,6 +278,7 @@ class ReadOptions:
             fail_on_data_loss=_bool(options, "failOnDataLoss", True),
             min_partitions=_int(options, "minPartitions", None, 1),
             include_headers=_bool(options, "includeHeaders", False),
+            security=_security(options),
         )
 
 
@@ -279,6 +300,7 @@ class WriteOptions:
     batch_bytes: int  # the size a task's record batches grow to before the next one starts
     compression: str  # of the record batches: none, gzip, snappy, lz4, zstd
     test_fail: str | None  # test-only fault hook, see sink.py
+    security: ClientSecurity = ClientSecurity()
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriteOptions:
@@ -315,4 +337,5 @@ class WriteOptions:
             batch_bytes=batch_bytes,
             compression=compression,
             test_fail=_get(options, "testFailpoint"),
+            security=_security(options),
         )

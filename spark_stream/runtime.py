@@ -3,7 +3,7 @@
 Spark calls the data source from plain (blocking) Python: the planner process on the driver, the
 commit process on the driver, and the reused Python workers on executors. Each of them gets one
 background thread running an asyncio loop (the same arrangement as ``streams.sync``) and one
-``streams.client.ScrollClient`` per metadata URL, kept for the life of the process: Spark reuses
+``streams.client.ScrollClient`` per metadata URL and credentials, kept for the life of the process: Spark reuses
 its Python workers, so the etcd and bookie connections of one task serve the next. ``run`` submits
 a coroutine to the loop and waits for it.
 
@@ -18,6 +18,7 @@ import atexit
 import os
 import threading
 
+from fragments.security import NO_SECURITY, ClientSecurity
 from streams import client as aclient
 
 
@@ -27,24 +28,26 @@ class Runtime:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="scroll-spark", daemon=True)
         self.thread.start()
-        self._clients: dict[str, aclient.ScrollClient] = {}
+        self._clients: dict[tuple[str, ClientSecurity], aclient.ScrollClient] = {}
         self._lock = threading.Lock()
 
     def run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def client(self, url: str) -> aclient.ScrollClient:
+    def client(self, url: str, security: ClientSecurity = NO_SECURITY) -> aclient.ScrollClient:
+        """The client of ``url`` with these credentials (one per pair, kept for the process)."""
         with self._lock:
-            c = self._clients.get(url)
+            c = self._clients.get((url, security))
             if c is None:
-                c = self.run(aclient.connect(url), timeout=60)
-                self._clients[url] = c
+                kw = {} if security.empty else {"security": security}
+                c = self.run(aclient.connect(url, **kw), timeout=60)
+                self._clients[(url, security)] = c
             return c
 
-    def drop(self, url: str) -> None:
+    def drop(self, url: str, security: ClientSecurity = NO_SECURITY) -> None:
         """Forget (and close) the client of ``url``, e.g. after an error that may have broken it."""
         with self._lock:
-            c = self._clients.pop(url, None)
+            c = self._clients.pop((url, security), None)
         if c is not None:
             try:
                 self.run(c.close(), timeout=10)
@@ -52,8 +55,8 @@ class Runtime:
                 pass
 
     def close(self) -> None:
-        for url in list(self._clients):
-            self.drop(url)
+        for url, security in list(self._clients):
+            self.drop(url, security)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 

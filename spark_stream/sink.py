@@ -237,7 +237,7 @@ class _Stager:
 
     def __init__(self, opts: WriteOptions, name: str):
         self.rt = runtime()
-        self.client = self.rt.client(opts.metadata)
+        self.client = self.rt.client(opts.metadata, opts.security)
         self.name = name
         self.opts = opts
         self.futs: list = []
@@ -274,7 +274,7 @@ def _partitions_of(opts: WriteOptions) -> int:
         return 1
     rt = runtime()
     try:
-        return rt.run(rt.client(opts.metadata).describe_topic(opts.stream), timeout=60).partitions
+        return rt.run(rt.client(opts.metadata, opts.security).describe_topic(opts.stream), timeout=60).partitions
     except NoSuchTopic:
         raise ScrollWriteError(f"scroll sink: no stream named {opts.stream!r}") from None
 
@@ -492,7 +492,7 @@ def _missing(raw: bytes, present: Counter) -> list | None:
 
 async def commit_batch(opts: WriteOptions, msgs: list[StagedOutput], query: str, batch: int, exactly_once: bool):
     """Copy the staged record batches of one batch into the target (see the module docstring)."""
-    client = runtime().client(opts.metadata)
+    client = runtime().client(opts.metadata, opts.security)
     streams = await target_streams(client, opts.stream)
     home = streams[0]  # the stream whose metadata holds the commit record
     total = sum(m.count for m in msgs)
@@ -599,7 +599,7 @@ def _commit(opts: WriteOptions, messages, batch: int | None, exactly_once: bool)
     query = msgs[0].query
     b = msgs[0].batch if batch is None else batch
     rt = runtime()
-    client = rt.client(opts.metadata)
+    client = rt.client(opts.metadata, opts.security)
     for attempt in range(_COMMIT_ATTEMPTS):
         try:
             outcome = rt.run(commit_batch(opts, msgs, query, b, exactly_once), timeout=3600)
@@ -620,13 +620,14 @@ def _abort(opts: WriteOptions, messages, batch: int | None) -> None:
         return
     rt = runtime()
     b = msgs[0].batch if batch is None else batch
-    rt.run(delete_staging(rt.client(opts.metadata), msgs[0].query, b, [m.staging for m in msgs]), timeout=300)
+    rt.run(delete_staging(rt.client(opts.metadata, opts.security), msgs[0].query, b, [m.staging for m in msgs]),
+           timeout=300)
 
 
 def ensure_target(opts: WriteOptions) -> None:
     """On the driver when the write starts: the target must exist (or be created with createStream)."""
     rt = runtime()
-    client = rt.client(opts.metadata)
+    client = rt.client(opts.metadata, opts.security)
 
     async def go():
         try:

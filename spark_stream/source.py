@@ -53,6 +53,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from fragments.security import NO_SECURITY, ClientSecurity
 from streams.batches import RecordFormatError, stored_batch
 from streams.consumer import LATEST as C_LATEST
 from streams.errors import DataRemovedError, NoSuchStream, NoSuchTopic
@@ -109,10 +110,11 @@ class ScrollPartition(InputPartition):
     """Record offsets ``first..last`` (inclusive) of one stream: what one Spark task reads."""
 
     def __init__(self, stream: str, metadata: str, first: int, last: int, fail_on_data_loss: bool,
-                 include_headers: bool):
+                 include_headers: bool, security: ClientSecurity = NO_SECURITY):
         super().__init__((stream, first, last))
         self.stream = stream
         self.metadata = metadata
+        self.security = security
         self.first = first
         self.last = last
         self.fail_on_data_loss = fail_on_data_loss
@@ -186,7 +188,7 @@ class _Planner:
     def __init__(self, opts: ReadOptions):
         self.opts = opts
         self.rt = runtime()
-        self.client = self.rt.client(opts.metadata)
+        self.client = self.rt.client(opts.metadata, opts.security)
         pat = opts.pattern or opts.topic_pattern
         self._pattern = re.compile(pat) if pat else None
 
@@ -289,7 +291,7 @@ class _Planner:
 
     def partitions(self, ranges: dict[str, tuple[int, int]], frags: dict[str, list[int]]) -> list[ScrollPartition]:
         o = self.opts
-        return [ScrollPartition(s, o.metadata, a, b, o.fail_on_data_loss, o.include_headers)
+        return [ScrollPartition(s, o.metadata, a, b, o.fail_on_data_loss, o.include_headers, o.security)
                 for s, a, b in split_ranges(ranges, frags, o.min_partitions)]
 
 
@@ -554,7 +556,7 @@ def read_partition(p: ScrollPartition, arrow: bool = True):
     one per replica read (faster: Spark takes them as they are), or with ``arrow=False`` as tuples
     in schema order."""
     rt = runtime()
-    client = rt.client(p.metadata)
+    client = rt.client(p.metadata, p.security)
     if arrow:
         import pyarrow as pa
         from pyspark.sql.pandas.types import to_arrow_schema
