@@ -142,11 +142,11 @@ def tail_consumer(bootstrap: str, topic: str, partitions: int, count: int, ready
 
 # ---------------------------------------------------------------- phases
 def produce(bootstrap: str, topic: str, partitions: int, records: int, value_bytes: int,
-            rate: float | None = None) -> dict:
+            rate: float | None = None, conf: dict | None = None) -> dict:
     from confluent_kafka import Producer
 
     p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
-                  "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 2_097_151})
+                  "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 2_097_151, **(conf or {})})
     value = os.urandom(value_bytes)
     lat: list[float] = []
     errors = [0]
@@ -179,12 +179,13 @@ def produce(bootstrap: str, topic: str, partitions: int, records: int, value_byt
             "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000}
 
 
-def consume_all(bootstrap: str, topic: str, partitions: int, records: int, value_bytes: int) -> dict:
+def consume_all(bootstrap: str, topic: str, partitions: int, records: int, value_bytes: int,
+                conf: dict | None = None) -> dict:
     from confluent_kafka import Consumer, TopicPartition
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-read", "enable.auto.commit": False,
                   "fetch.wait.max.ms": 100, "fetch.max.bytes": 64 << 20, "max.partition.fetch.bytes": 8 << 20,
-                  "queued.max.messages.kbytes": 1 << 20})
+                  "queued.max.messages.kbytes": 1 << 20, **(conf or {})})
     c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
     got = 0
     t0 = time.perf_counter()
@@ -418,6 +419,52 @@ def phase_idle(args, cluster, base: Path, results: dict) -> None:
         stop_listener(proc)
 
 
+def phase_tls(args, cluster, base: Path, results: dict) -> None:
+    """The cost of TLS (and SASL over it): one listener process serving PLAINTEXT, SSL and SASL_SSL
+    side by side (certificates from a local CA, ``streams.tools.pki``); the same produce and
+    consume over each, in turn, in this run. Ratios are against PLAINTEXT."""
+    from streams.tools.pki import LocalPki
+
+    pki = LocalPki(base / "pki").ensure()
+    subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "user", "add", "bench", "--password",
+                    "bench-pw", "--metadata", cluster.metadata_url], check=True, capture_output=True)
+    ports = {proto: free_port() for proto in ("PLAINTEXT", "SSL", "SASL_SSL")}
+    log = open(base / "shim-tls.log", "wb")
+    shim = subprocess.Popen([sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", cluster.metadata_url,
+                             "--node-id", "7", "--ssl-cert", str(pki.server_cert), "--ssl-key", str(pki.server_key),
+                             "--sasl-mechanisms", "SCRAM-SHA-256",
+                             *(a for proto, port in ports.items() for a in ("--listener", f"{proto}://127.0.0.1:{port}"))],
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    tls = {"ssl.ca.location": str(pki.ca)}
+    confs = {"PLAINTEXT": {}, "SSL": {"security.protocol": "SSL", **tls},
+             "SASL_SSL": {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-256",
+                          "sasl.username": "bench", "sasl.password": "bench-pw", **tls}}
+    out: dict = {}
+    try:
+        wait_port(ports["SASL_SSL"], shim)
+        for proto, port in ports.items():
+            bootstrap = f"127.0.0.1:{port}"
+            topic = f"bench-tls-{proto.lower()}"
+            create_topic(f"127.0.0.1:{ports['PLAINTEXT']}", topic, args.partitions)
+            prod = produce(bootstrap, topic, args.partitions, args.tls_records, args.value_bytes, conf=confs[proto])
+            cons = consume_all(bootstrap, topic, args.partitions, args.tls_records, args.value_bytes, conf=confs[proto])
+            out[proto] = {"produce": prod, "consume": cons}
+            print(f"tls phase {proto:>9}: produce {prod['records_per_s']:,.0f} rec/s ({prod['mb_per_s']:.1f} MB/s, "
+                  f"p50 {prod['p50_ms']:.1f} ms, errors {prod['errors']}), consume {cons['records_per_s']:,.0f} rec/s",
+                  flush=True)
+        plain = out["PLAINTEXT"]
+        for proto in ("SSL", "SASL_SSL"):
+            r = out[proto]
+            r["produce_ratio"] = r["produce"]["records_per_s"] / plain["produce"]["records_per_s"]
+            r["consume_ratio"] = r["consume"]["records_per_s"] / plain["consume"]["records_per_s"]
+            print(f"tls phase {proto:>9} vs PLAINTEXT: produce {r['produce_ratio']:.2f}x, consume "
+                  f"{r['consume_ratio']:.2f}x", flush=True)
+        results["tls"] = out
+    finally:
+        stop_listener(shim)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=300_000)
@@ -439,9 +486,10 @@ def main() -> int:
     ap.add_argument("--idle-partitions", type=int, default=2000)
     ap.add_argument("--idle-seconds", type=float, default=20.0)
     ap.add_argument("--idle-settle-seconds", type=float, default=5.0)
+    ap.add_argument("--tls-records", type=int, default=100_000, help="records per listener in the tls phase")
     args = ap.parse_args()
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    unknown = set(phases) - {"throughput", "open", "failover", "idle"}
+    unknown = set(phases) - {"throughput", "open", "failover", "idle", "tls"}
     if unknown:
         ap.error(f"unknown phases {sorted(unknown)}")
 
@@ -450,8 +498,8 @@ def main() -> int:
     results: dict = {"args": vars(args), "load_avg_start": os.getloadavg()}
     try:
         for phase in phases:
-            {"throughput": throughput, "open": phase_open, "failover": phase_failover, "idle": phase_idle}[phase](
-                args, cluster, base, results)
+            {"throughput": throughput, "open": phase_open, "failover": phase_failover, "idle": phase_idle,
+             "tls": phase_tls}[phase](args, cluster, base, results)
         results["load_avg_end"] = os.getloadavg()
         print(f"load average {results['load_avg_start'][0]:.2f} -> {results['load_avg_end'][0]:.2f}", flush=True)
         if args.json:
