@@ -7,7 +7,8 @@ user's SCRAM-SHA-256 credential: derive with the same salt and iterations, compa
 in constant time.
 
 Bounded work per failed attempt. A SCRAM exchange costs the server a few HMACs; PLAIN costs one
-PBKDF2 with the stored iteration count, run in a thread. An unknown user gets a fake credential
+PBKDF2 with the stored iteration count, run on one thread of its own with a bounded queue (a flood
+of PLAIN attempts costs at most that thread; beyond the queue an attempt fails at once). An unknown user gets a fake credential
 (a salt fixed per user name, 4096 iterations, keys that match nothing), so it costs the same and
 fails with the same message as a wrong password. A failure is answered after a short delay on
 that connection only, and the connection is then closed.
@@ -17,13 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import hashlib
 import hmac
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 from scramp import ScramException, ScramMechanism
+
+log = logging.getLogger(__name__)
 
 PLAIN = "PLAIN"
 SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -95,6 +100,27 @@ def check_plain(cred: ScramCredential, password: str) -> bool:
     """Whether ``password`` is the one of this SCRAM-SHA-256 credential (PBKDF2: run it in a thread)."""
     derived = make_credential("SCRAM-SHA-256", password, cred.iterations, cred.salt)
     return hmac.compare_digest(derived.stored_key, cred.stored_key)
+
+
+# PLAIN's PBKDF2 runs on one thread of its own, with at most _PLAIN_QUEUE checks waiting: a flood of
+# PLAIN attempts (a brute-force loop on many connections) costs the listener one core at most and
+# is refused beyond the queue, while SCRAM clients (whose PBKDF2 runs in the client) and
+# authenticated connections are served by the event loop as before.
+_PLAIN_POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sasl-plain")
+_PLAIN_QUEUE = 16
+_plain_pending = 0
+
+
+async def _check_plain_bounded(cred: ScramCredential, password: str) -> bool:
+    global _plain_pending
+    if _plain_pending >= _PLAIN_QUEUE:
+        log.warning("SASL/PLAIN: %d checks already waiting; refusing one more", _plain_pending)
+        return False
+    _plain_pending += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_PLAIN_POOL, check_plain, cred, password)
+    finally:
+        _plain_pending -= 1
 
 
 # ---------------------------------------------------------------- the store
@@ -171,7 +197,7 @@ class SaslSession:
             raise AuthenticationFailed("Invalid SASL/PLAIN message: authzid\\0user\\0password expected")
         authzid, user, password = (p.decode("utf-8", "replace") for p in parts)
         cred = await load_credential(self.store, user, "SCRAM-SHA-256")
-        ok = await asyncio.to_thread(check_plain, cred or fake_credential(user), password)
+        ok = await _check_plain_bounded(cred or fake_credential(user), password)
         if not ok or cred is None or (authzid and authzid != user):
             raise _failed(PLAIN)
         self.principal = user

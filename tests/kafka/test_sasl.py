@@ -393,3 +393,80 @@ def test_transaction_markers_cross_sasl_ssl_listeners(sasl_cluster, users, tmp_p
     finally:
         for s in shims:
             s.stop()
+
+
+def _scram_login(port: int, user: str, password: str) -> None:
+    """A fresh connection, SCRAM-SHA-256 by hand, then one Metadata request (raises if refused)."""
+    from kio.schema.errors import ErrorCode
+    from kio.schema.metadata.v12 import MetadataRequest
+    from kio.schema.sasl_authenticate.v2 import SaslAuthenticateRequest
+    from kio.schema.sasl_handshake.v1 import SaslHandshakeRequest
+
+    from .shimproc import RawConnection
+
+    with RawConnection(port, timeout_s=60) as c:
+        assert c.call(SaslHandshakeRequest(mechanism="SCRAM-SHA-256")).error_code == ErrorCode.none
+        client = ScramClient(["SCRAM-SHA-256"], user, password)
+        r = c.call(SaslAuthenticateRequest(auth_bytes=client.get_client_first().encode()))
+        client.set_server_first(r.auth_bytes.decode())
+        r = c.call(SaslAuthenticateRequest(auth_bytes=client.get_client_final().encode()))
+        assert r.error_code == ErrorCode.none, r.error_message
+        client.set_server_final(r.auth_bytes.decode())
+        assert c.call(MetadataRequest(topics=None, allow_auto_topic_creation=False,
+                                      include_topic_authorized_operations=False)).brokers
+
+
+def test_a_brute_force_loop_does_not_slow_other_clients(sasl_shim):
+    """Eight connections at a time try wrong PLAIN passwords as fast as the listener answers, while
+    alice logs in (SCRAM) and asks for metadata, over and over on fresh connections: her logins
+    keep pace (within a few times the time they take with no attack, measured in the same test),
+    every wrong password is refused, and the listener never accepts one."""
+    import threading
+
+    from kio.schema.errors import ErrorCode
+    from kio.schema.sasl_authenticate.v2 import SaslAuthenticateRequest
+    from kio.schema.sasl_handshake.v1 import SaslHandshakeRequest
+
+    from .shimproc import RawConnection
+
+    def logins(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _scram_login(sasl_shim.port, "alice", "alice-pw")
+        return time.perf_counter() - t0
+
+    logins(3)  # warm up (credential cache, connections to etcd)
+    quiet = logins(20)
+    stop = threading.Event()
+    tried, accepted = [0], [0]
+
+    def attack(i: int) -> None:
+        while not stop.is_set():
+            try:
+                with RawConnection(sasl_shim.port, timeout_s=60) as c:
+                    c.call(SaslHandshakeRequest(mechanism="PLAIN"))
+                    r = c.call(SaslAuthenticateRequest(auth_bytes=b"\0alice\0guess-%d-%d" % (i, tried[0])))
+                    tried[0] += 1
+                    if r.error_code == ErrorCode.none:
+                        accepted[0] += 1
+            except OSError:
+                tried[0] += 1  # refused and closed: also a failed attempt
+    attackers = [threading.Thread(target=attack, args=(i,), daemon=True) for i in range(8)]
+    for t in attackers:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while tried[0] < 50:  # the attack is under way
+            assert time.monotonic() < deadline, "the attackers made no attempts"
+            time.sleep(0.05)
+        before = tried[0]
+        attacked = logins(20)
+        during = tried[0] - before
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join(60)
+    assert accepted[0] == 0
+    assert during >= 20, f"only {during} wrong passwords were tried while alice logged in 20 times"
+    print(f"20 logins: {quiet:.2f}s quiet, {attacked:.2f}s under attack ({during} wrong passwords meanwhile)")
+    assert attacked < 5 * quiet, f"20 logins took {attacked:.2f}s under attack, {quiet:.2f}s without"
