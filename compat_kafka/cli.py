@@ -28,7 +28,7 @@ from .server import KafkaServer, ListenerConfig, ServerConfig, TlsConfig
 
 async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,
                 started: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                on_start: Callable[[KafkaServer], None] | None = None) -> None:
+                on_start: Callable[[KafkaServer], None] | None = None, metrics=None) -> None:
     """Run until ``stop`` is set (or SIGINT/SIGTERM when it is None); ``on_start`` is given the
     server once it listens (tests look inside)."""
     from streams.client import connect
@@ -37,6 +37,8 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
     server = KafkaServer(Broker(client, broker_config), server_config)
     try:
         await server.start()
+        if metrics is not None:
+            await _point_metrics(metrics, server)
         if on_start is not None:
             on_start(server)
         if stop is None:
@@ -51,6 +53,23 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
     finally:
         await server.stop()
         await client.close()
+
+
+async def _point_metrics(metrics, server: KafkaServer) -> None:
+    """The lag metrics scrape this listener over Kafka: through a PLAINTEXT listener if there is
+    one, else as the brokers' own identity over the first listener (interbroker.py)."""
+    ports = server.ports
+    listeners = server.config.listeners
+    li = next((li for li in listeners if li.protocol == "PLAINTEXT"), listeners[0])
+    host = "127.0.0.1" if li.host in ("0.0.0.0", "::", "") else li.host
+    security = None
+    if li.protocol != "PLAINTEXT":
+        try:
+            security = await server.broker.inter_broker.client_config(li.protocol)
+        except Exception as exc:  # noqa: BLE001 - metrics must not stop the listener
+            logging.getLogger(__name__).warning("group lag metrics are off: %s", exc)
+            return
+    metrics.use(f"{host}:{ports[li.name]}", security)
 
 
 @click.group("kafka", invoke_without_command=True)
@@ -147,7 +166,7 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
         except OSError as exc:
             raise click.BadParameter(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
     try:
-        asyncio.run(serve(metadata_url, server_config, broker_config))
+        asyncio.run(serve(metadata_url, server_config, broker_config, metrics=metrics))
     finally:
         if metrics is not None:
             metrics.close()

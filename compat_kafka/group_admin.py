@@ -46,6 +46,7 @@ from kio.schema.offset_fetch.v8 import OffsetFetchRequest
 from kio.schema.offset_fetch.v8.request import OffsetFetchRequestGroup
 
 from . import codec
+from .client_security import ClientAuthError, KafkaClientConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,10 @@ class AdminError(Exception):
 
 # ---------------------------------------------------------------- the connection and the client
 class Connection:
-    def __init__(self, host: str, port: int, timeout_s: float, client_id: str):
+    def __init__(self, host: str, port: int, timeout_s: float, client_id: str,
+                 security: KafkaClientConfig | None = None):
         self.host, self.port, self.timeout_s, self.client_id = host, port, timeout_s, client_id
+        self.security = security or KafkaClientConfig()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._ids = itertools.count(1)
@@ -72,13 +75,16 @@ class Connection:
         async with self._lock:
             try:
                 return await asyncio.wait_for(self._call(body), self.timeout_s)
+            except ClientAuthError as exc:
+                await self.close()
+                raise AdminError(str(exc)) from exc
             except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
                 await self.close()
                 raise AdminError(f"{self.host}:{self.port}: {type(exc).__name__}: {exc}") from exc
 
     async def _call(self, body):
         if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+            self._reader, self._writer = await self.security.open(self.host, self.port)
         cid = next(self._ids)
         self._writer.write(codec.encode_request(body, cid, self.client_id))
         await self._writer.drain()
@@ -158,8 +164,10 @@ class GroupListing:
 
 
 class KafkaAdmin:
-    def __init__(self, bootstrap: str, timeout_s: float = 15.0, client_id: str = "scroll-groups"):
+    def __init__(self, bootstrap: str, timeout_s: float = 15.0, client_id: str = "scroll-groups",
+                 security: KafkaClientConfig | None = None):
         self.bootstrap = parse_bootstrap(bootstrap)
+        self.security = security
         self.timeout_s = timeout_s
         self.client_id = client_id
         self._by_addr: dict[tuple[str, int], Connection] = {}
@@ -180,7 +188,7 @@ class KafkaAdmin:
     def _conn(self, addr: tuple[str, int]) -> Connection:
         c = self._by_addr.get(addr)
         if c is None:
-            c = self._by_addr[addr] = Connection(addr[0], addr[1], self.timeout_s, self.client_id)
+            c = self._by_addr[addr] = Connection(addr[0], addr[1], self.timeout_s, self.client_id, self.security)
         return c
 
     async def any_call(self, body):

@@ -14,19 +14,32 @@ from collections.abc import Awaitable, Callable
 
 import click
 
+from .client_security import KafkaClientConfig
 from .group_admin import AdminError, KafkaAdmin, parse_datetime_ms, parse_duration_ms
 
 bootstrap_option = click.option("--bootstrap", "--bootstrap-server", "bootstrap", envvar="SCROLL_KAFKA_BOOTSTRAP",
                                 default="127.0.0.1:9092", show_default=True,
                                 help="a Kafka listener (host:port[,host:port...])")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+command_config_option = click.option(
+    "--command-config", "command_config", envvar="SCROLL_KAFKA_COMMAND_CONFIG", default=None,
+    type=click.Path(exists=True, dir_okay=False), expose_value=False,
+    callback=lambda ctx, _param, value: ctx.meta.__setitem__("scroll.command_config", value),
+    help="client properties for a secured listener (security.protocol, ssl.ca.location, sasl.mechanism, "
+         "sasl.username, sasl.password), e.g. the client.properties of `scroll standalone --secure`")
 timeout_option = click.option("--timeout", default=15.0, show_default=True, type=click.FloatRange(0.5, 300),
                               help="seconds per request")
 
 
 def _run(bootstrap: str, timeout: float, fn: Callable[[KafkaAdmin], Awaitable]):
+    path = click.get_current_context().meta.get("scroll.command_config")
+    try:
+        security = KafkaClientConfig.from_properties(path) if path else None
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--command-config") from None
+
     async def main():
-        async with KafkaAdmin(bootstrap, timeout_s=timeout) as admin:
+        async with KafkaAdmin(bootstrap, timeout_s=timeout, security=security) as admin:
             return await fn(admin)
 
     try:
@@ -57,6 +70,7 @@ def groups_command() -> None:
 
 @groups_command.command("list")
 @bootstrap_option
+@command_config_option
 @timeout_option
 @json_option
 def list_cmd(bootstrap: str, timeout: float, as_json: bool) -> None:
@@ -73,6 +87,7 @@ def list_cmd(bootstrap: str, timeout: float, as_json: bool) -> None:
 @groups_command.command("describe")
 @click.argument("groups", nargs=-1)
 @bootstrap_option
+@command_config_option
 @timeout_option
 @json_option
 @click.option("--all-groups", is_flag=True, help="every group of the cluster")
@@ -110,6 +125,7 @@ def describe_cmd(groups: tuple[str, ...], bootstrap: str, timeout: float, as_jso
 @groups_command.command("reset-offsets")
 @click.argument("group")
 @bootstrap_option
+@command_config_option
 @timeout_option
 @json_option
 @click.option("--topic", "topics", multiple=True, help="TOPIC or TOPIC:P,P,... (repeatable)")
@@ -167,6 +183,7 @@ def reset_cmd(group: str, bootstrap: str, timeout: float, as_json: bool, topics:
 @groups_command.command("delete-offsets")
 @click.argument("group")
 @bootstrap_option
+@command_config_option
 @timeout_option
 @json_option
 @click.option("--topic", "topics", multiple=True, required=True, help="TOPIC or TOPIC:P,P,... (repeatable)")
@@ -187,6 +204,7 @@ def delete_offsets_cmd(group: str, bootstrap: str, timeout: float, as_json: bool
 @groups_command.command("delete")
 @click.argument("groups", nargs=-1, required=True)
 @bootstrap_option
+@command_config_option
 @timeout_option
 @json_option
 def delete_cmd(groups: tuple[str, ...], bootstrap: str, timeout: float, as_json: bool) -> None:

@@ -19,13 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import ssl
 import struct
 
-from kio.schema.errors import ErrorCode
-from scramp import ScramClient
-
 from . import codec, sasl
+from .client_security import ClientAuthError, KafkaClientConfig
 from .ownership import BrokerInfo
 
 BROKER_USER = "__scroll_broker"
@@ -64,80 +61,45 @@ class InterBrokerClient:
     def __init__(self, store, ca_file: str | None = None):
         self.store = store
         self.ca_file = ca_file
-        self._ssl: ssl.SSLContext | None = None
         self._mechanism: dict[tuple[str, int], str] = {}  # (host, port) -> the SASL mechanism it took
 
-    def _context(self) -> ssl.SSLContext:
-        if self.ca_file is None:
+    async def client_config(self, protocol: str, mechanism: str = "SCRAM-SHA-256") -> KafkaClientConfig:
+        """How to reach a listener of ``protocol`` as the broker user."""
+        if protocol.endswith("SSL") and self.ca_file is None:
             raise InterBrokerError("the other listener speaks TLS only: give --inter-broker-ca (the CA that "
                                    "issued the listeners' certificates) to call it")
-        if self._ssl is None:
-            self._ssl = ssl.create_default_context(cafile=self.ca_file)
-        return self._ssl
+        secret = None
+        if protocol.startswith("SASL_"):
+            v = await self.store.get(SECRET_KEY)
+            if v is None:
+                raise InterBrokerError(f"no broker secret at {SECRET_KEY} (no listener with SASL has started)")
+            secret = v.value.decode()
+        return KafkaClientConfig(protocol, ca_file=self.ca_file if protocol.endswith("SSL") else None,
+                                 mechanism=mechanism if secret else None, username=BROKER_USER if secret else None,
+                                 password=secret)
 
     async def call(self, info: BrokerInfo, body, timeout_s: float):
         """The response to ``body`` from the listener ``info``."""
         return await asyncio.wait_for(self._call(*endpoint_for_calls(info), body), timeout_s)
 
     async def _call(self, protocol: str, host: str, port: int, body):
-        tls = self._context() if protocol.endswith("SSL") else None
-        mechs = [self._mechanism.get((host, port), "SCRAM-SHA-256")]
-        while True:
-            reader, writer = await asyncio.open_connection(host, port, ssl=tls)
-            try:
-                corr = 1
-                if protocol.startswith("SASL_"):
-                    offered = await self._authenticate(reader, writer, mechs[-1])
-                    if offered is not None:  # that mechanism is not served there: one more connection
-                        usable = [m for m in ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN") if m in offered]
-                        if not usable or usable[0] in mechs:
-                            raise InterBrokerError(f"{host}:{port} offers no usable SASL mechanism ({offered})")
-                        mechs.append(usable[0])
-                        continue
-                    self._mechanism[(host, port)] = mechs[-1]
-                    corr = 4
-                writer.write(codec.encode_request(body, corr, client_id="scroll-inter-broker"))
-                await writer.drain()
-                return await _receive(reader, body)
-            finally:
-                writer.close()
-                with contextlib.suppress(Exception):
-                    await writer.wait_closed()
-
-    async def _authenticate(self, reader, writer, mechanism: str) -> list[str] | None:
-        """Authenticate as the broker user; the mechanisms offered if ``mechanism`` is not one."""
-        from kio.schema.sasl_authenticate.v2.request import SaslAuthenticateRequest
-        from kio.schema.sasl_handshake.v1.request import SaslHandshakeRequest
-
-        v = await self.store.get(SECRET_KEY)
-        if v is None:
-            raise InterBrokerError(f"no broker secret at {SECRET_KEY} (no listener with SASL has started)")
-        secret = v.value.decode()
-        corr = iter(range(1, 4))
-
-        async def ask(body):
-            writer.write(codec.encode_request(body, next(corr), client_id="scroll-inter-broker"))
+        mechanism = self._mechanism.get((host, port), "SCRAM-SHA-256")
+        try:
+            reader, writer = await (await self.client_config(protocol, mechanism)).open(host, port)
+        except ClientAuthError as exc:
+            offered = [m for m in ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN") if m in getattr(exc, "offered", ())]
+            if not offered:
+                raise InterBrokerError(f"{host}:{port}: {exc}") from exc
+            mechanism = self._mechanism[(host, port)] = offered[0]  # that mechanism is served there
+            reader, writer = await (await self.client_config(protocol, mechanism)).open(host, port)
+        try:
+            writer.write(codec.encode_request(body, 9, client_id="scroll-inter-broker"))
             await writer.drain()
             return await _receive(reader, body)
-
-        async def token(data: bytes) -> bytes:
-            r = await ask(SaslAuthenticateRequest(auth_bytes=data))
-            if r.error_code != ErrorCode.none:
-                raise InterBrokerError(f"the other listener refused the broker identity: {r.error_message}")
-            return r.auth_bytes
-
-        hs = await ask(SaslHandshakeRequest(mechanism=mechanism))
-        if hs.error_code == ErrorCode.unsupported_sasl_mechanism:
-            return list(hs.mechanisms)
-        if hs.error_code != ErrorCode.none:
-            raise InterBrokerError(f"SaslHandshake refused: {hs.error_code.name}")
-        if mechanism == "PLAIN":
-            await token(b"\0" + BROKER_USER.encode() + b"\0" + secret.encode())
-            return None
-        client = ScramClient([mechanism], BROKER_USER, secret)
-        client.set_server_first((await token(client.get_client_first().encode())).decode())
-        client.set_server_final((await token(client.get_client_final().encode())).decode())
-        return None
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
 
 async def _receive(reader, body):

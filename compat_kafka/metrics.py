@@ -20,6 +20,7 @@ from kio.schema.list_groups.v5 import ListGroupsRequest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from .client_security import KafkaClientConfig
 from .group_admin import AdminError, GroupView, KafkaAdmin
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class GroupLagCollector:
     def __init__(self, bootstrap: str, errors: Counter, max_groups: int = 500, timeout_s: float = 10.0):
         self.bootstrap = bootstrap
+        self.security: KafkaClientConfig | None = None  # how to reach the listener (set once it serves)
         self.errors = errors
         self.max_groups = max_groups
         self.timeout_s = timeout_s
@@ -62,7 +64,8 @@ class GroupLagCollector:
 
     async def _views(self) -> list[GroupView]:
         out = []
-        async with KafkaAdmin(self.bootstrap, timeout_s=self.timeout_s, client_id="scroll-metrics") as admin:
+        async with KafkaAdmin(self.bootstrap, timeout_s=self.timeout_s, client_id="scroll-metrics",
+                              security=self.security) as admin:
             try:  # this listener's ListGroups: the groups it coordinates
                 r = await admin.any_call(ListGroupsRequest(states_filter=(), types_filter=()))
                 groups = sorted(g.group_id for g in r.groups)[:self.max_groups]
@@ -84,8 +87,14 @@ class ListenerMetrics:
     def __init__(self, bootstrap: str, max_groups: int = 500):
         r = self.registry = CollectorRegistry()
         self.scrape_errors = Counter("scroll_kafka_group_scrape_errors", "Group lag scrapes that failed", registry=r)
-        r.register(GroupLagCollector(bootstrap, self.scrape_errors, max_groups))
+        self.collector = GroupLagCollector(bootstrap, self.scrape_errors, max_groups)
+        r.register(self.collector)
         self._server = None
+
+    def use(self, bootstrap: str, security: KafkaClientConfig | None) -> None:
+        """Scrape through this listener address with these client settings (a secured listener)."""
+        self.collector.bootstrap = bootstrap
+        self.collector.security = security
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
