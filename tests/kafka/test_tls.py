@@ -33,8 +33,14 @@ def pki(tmp_path_factory):
     server = ca.issue_cert("127.0.0.1", "localhost")
     client = ca.issue_cert("client@scroll.test")
     other_ca = trustme.CA()
+    stranger = other_ca.issue_cert("stranger@scroll.test")  # a client certificate from a CA nobody trusts
+    stranger.private_key_pem.write_to_path(str(d / "stranger.key"))
+    stranger.cert_chain_pems[0].write_to_path(str(d / "stranger.pem"))
+    _expired_client_cert(ca, d)
     files = {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key", "other_ca": d / "other-ca.pem",
-             "client_cert": d / "client.pem", "client_key": d / "client.key"}
+             "client_cert": d / "client.pem", "client_key": d / "client.key",
+             "stranger_cert": d / "stranger.pem", "stranger_key": d / "stranger.key",
+             "expired_cert": d / "expired.pem", "expired_key": d / "expired.key"}
     ca.cert_pem.write_to_path(str(files["ca"]))
     other_ca.cert_pem.write_to_path(str(files["other_ca"]))
     server.private_key_pem.write_to_path(str(files["key"]))
@@ -48,10 +54,35 @@ def pki(tmp_path_factory):
     return {k: str(v) for k, v in files.items()}
 
 
-def _ssl(pki, ca: str = "ca", client_cert: bool = False) -> dict:
+def _expired_client_cert(ca: trustme.CA, d) -> None:
+    """expired.pem/.key: a client certificate signed by ``ca`` whose validity ended yesterday."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca_key = serialization.load_pem_private_key(ca.private_key_pem.bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "expired-client")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=30)).not_valid_after(now - datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    (d / "expired.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "expired.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))
+
+
+def _ssl(pki, ca: str = "ca", client_cert: bool | str = False) -> dict:
     conf = {"security.protocol": "SSL", "ssl.ca.location": pki[ca]}
     if client_cert:
-        conf.update({"ssl.certificate.location": pki["client_cert"], "ssl.key.location": pki["client_key"]})
+        who = "client" if client_cert is True else client_cert
+        conf.update({"ssl.certificate.location": pki[f"{who}_cert"], "ssl.key.location": pki[f"{who}_key"]})
     return conf
 
 
@@ -110,13 +141,15 @@ def test_ssl_listener_serves_ssl_clients_and_refuses_the_rest(tls_cluster, pki, 
         shim.stop()
 
 
-def test_mutual_tls_refuses_a_client_without_a_certificate(tls_cluster, pki, tmp_path):
+def test_mutual_tls_refuses_a_client_without_a_trusted_valid_certificate(tls_cluster, pki, tmp_path):
     shim = ShimProcess(tls_cluster.metadata_url, tmp_path, "--ssl-cert", pki["cert"], "--ssl-key", pki["key"],
                        "--ssl-client-ca", pki["ca"], "--ssl-client-auth", "required")
     shim.start_and_wait()
     try:
         errors = _produce(shim.bootstrap, "mtls", 3, _ssl(pki), timeout_s=4)  # no client certificate
         assert len(errors) == 3
+        for who in ("stranger", "expired"):  # untrusted, or trusted but expired: refused in the handshake
+            assert len(_produce(shim.bootstrap, "mtls", 2, _ssl(pki, client_cert=who), timeout_s=4)) == 2
         assert _produce(shim.bootstrap, "mtls", 5, _ssl(pki, client_cert=True)) == []
         assert _read_all(shim.bootstrap, "mtls", _ssl(pki, client_cert=True), 5) == [b"v%d" % i for i in range(5)]
         assert _end_offset(shim.bootstrap, "mtls", _ssl(pki, client_cert=True)) == 5
