@@ -466,7 +466,10 @@ class EtcdStore(MetadataStore):
         return _WatchStream(watcher, callback, events)
 
     def _unavailable(self, detail: str, what: str) -> MetadataUnavailable:
-        return MetadataUnavailable(f"metadata store {self.url} is unavailable ({what}): {detail}")
+        hint = ""
+        if "socket closed" in detail.lower() and not self.url.startswith(("etcds:", "https:")):
+            hint = " (if etcd serves TLS, use an etcds:// URL)"
+        return MetadataUnavailable(f"metadata store {self.url} is unavailable ({what}): {detail}{hint}")
 
     def _auth_error(self, e: BaseException, what: str) -> MetadataAuthError | None:
         """The non-retriable credential and TLS failures, with what to do about them."""

@@ -131,6 +131,16 @@ def test_right_credentials_put_get_watch_lease(auth_etcd, run):
     run(body())
 
 
+def test_credentials_for_an_etcd_without_auth_are_unused(etcd_server, run):
+    async def body():
+        store = await open_store(f"etcd://root:{QUOTED}@127.0.0.1:{etcd_server.client_port}{namespace()}")
+        await store.put("/k", b"v")
+        assert (await store.get("/k")).value == b"v"
+        await store.close()
+
+    run(body())
+
+
 def test_security_credentials_win_over_the_url(auth_etcd, run):
     async def body():
         for url in (_plain(auth_etcd), _plain(auth_etcd, "root:wrong@")):
@@ -259,6 +269,7 @@ def test_tls_with_an_untrusted_ca_or_plaintext_fails_clearly(tls_etcd, certs, ru
         with pytest.raises(MetadataError) as info:
             await open_store(f"etcd://root:{QUOTED}@127.0.0.1:{port}", timeout=3.0)
         _no_password(str(info.value), repr(info.value))
+        assert "etcds://" in str(info.value)  # the hint
         assert time.monotonic() - started < 15
         # a CA file that does not exist
         with pytest.raises(MetadataAuthError, match="cannot read the etcd TLS file"):
