@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 from fragments.registry import BookieRegistration, register_bookie
+from fragments.security import redact_url
 from fragments.store import MetadataError
 from fragments.stores import open_store
 
@@ -121,7 +122,7 @@ async def _register(server: BookieServer, metadata: str, rack: str, ttl_s: float
         server.bookie_id, server.address, rack=rack, free_bytes=info.free_bytes(), started_at=time.time(),
     )
     registrar = await register_bookie(store, reg, ttl_s=ttl_s)
-    click.echo(f"bookie registered id={server.bookie_id} in {metadata}")
+    click.echo(f"bookie registered id={server.bookie_id} in {redact_url(metadata)}")
     sys.stdout.flush()
     return registrar
 

@@ -18,6 +18,7 @@ Option names follow the Kafka source's style where they fit (``tls.ca`` ~ ``ssl.
 from __future__ import annotations
 
 import ssl
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -103,3 +104,19 @@ def read_token_file(path: str | Path) -> str:
 
 
 NO_SECURITY = ClientSecurity()
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user info replaced by ``***`` (``etcd://user:***@host``),
+    for logs, messages and ``repr``s. Anything that is not such a URL is returned as it is."""
+    if not isinstance(url, str) or "://" not in url or "@" not in url:
+        return url
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url
+    userinfo, sep, hostport = parts.netloc.rpartition("@")
+    if not sep or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{hostport}"))

@@ -27,6 +27,13 @@ class MetadataUnavailable(MetadataError):
     retriable = True
 
 
+class MetadataAuthError(MetadataError):
+    """The store refused our credentials, requires some, or its TLS handshake failed. Retrying
+    with the same settings cannot help, so this is not retriable (and never names the password)."""
+
+    retriable = False
+
+
 @dataclass(frozen=True, slots=True)
 class Versioned:
     value: bytes

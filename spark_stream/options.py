@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fragments.security import ClientSecurity, SecurityConfigError
 from streams.batches import COMPRESSION
@@ -207,7 +207,7 @@ def parse_by_timestamp(options: Mapping[str, str], prefix: str, fallback, if_non
 
 @dataclass(frozen=True)
 class ReadOptions:
-    metadata: str
+    metadata: str = field(repr=False)  # the URL may carry etcd's password
     topics: tuple[str, ...] | None
     topic_pattern: str | None
     streams: tuple[str, ...] | None
@@ -288,7 +288,7 @@ MAX_BATCH_BYTES = (1 << 20) - 512  # a built record batch must fit one entry (1 
 
 @dataclass(frozen=True)
 class WriteOptions:
-    metadata: str
+    metadata: str = field(repr=False)  # the URL may carry etcd's password
     stream: str  # a stream, or a topic of several partitions (rows go to partitions by key)
     create: bool
     partitions: int  # for createStream

@@ -17,6 +17,8 @@ from dataclasses import asdict
 
 import click
 
+from fragments.security import redact_url
+
 DEFAULT_METADATA = "etcd://127.0.0.1:2379"
 metadata_option = click.option(
     "--metadata", envvar="SCROLL_METADATA", default=DEFAULT_METADATA, show_default=True,
@@ -75,7 +77,7 @@ def _client(metadata: str):
     except ScrollError as exc:
         raise click.ClickException(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - e.g. the metadata store is down: say so clearly
-        raise click.ClickException(f"cannot reach the metadata store at {metadata}: {exc}") from exc
+        raise click.ClickException(f"cannot reach the metadata store at {redact_url(metadata)}: {exc}") from exc
 
 
 def _fail(exc: Exception) -> click.ClickException:
@@ -589,7 +591,7 @@ def _arun(metadata: str, fn):
         try:
             client = await connect(metadata)
         except Exception as exc:  # noqa: BLE001 - e.g. the metadata store is down: say so clearly
-            raise click.ClickException(f"cannot reach the metadata store at {metadata}: {exc}") from exc
+            raise click.ClickException(f"cannot reach the metadata store at {redact_url(metadata)}: {exc}") from exc
         try:
             return await fn(client)
         finally:
@@ -600,7 +602,7 @@ def _arun(metadata: str, fn):
     except (ScrollError, InvalidPolicy) as exc:
         raise _fail(exc) from exc
     except MetadataError as exc:
-        raise click.ClickException(f"metadata store {metadata}: {exc}") from exc
+        raise click.ClickException(f"metadata store {redact_url(metadata)}: {exc}") from exc
 
 
 class _Bar:

@@ -4,6 +4,12 @@ Used by ``scroll standalone`` and by the end-to-end tests. Every process it star
 ``stop()`` (SIGTERM, then SIGKILL after a grace period). Data lives under one directory:
 ``<dir>/etcd`` and ``<dir>/bookie-<i>``; starting again on the same directory keeps the data.
 Bookies keep their id and port across restarts, so the fragments that name them still find them.
+
+etcd security (off by default): ``etcd_password=`` turns etcd's auth on (a ``root`` user with that
+password, created through etcd's own gRPC Auth API, then ``AuthEnable``), and ``etcd_tls=`` (an
+``EtcdTLSFiles``) makes etcd serve TLS with the given certificate (and, with client files,
+require client certificates). ``metadata_url`` then carries the credentials
+(``etcds://root:<password>@127.0.0.1:<port>?ca=...``), and the bookies get it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +62,22 @@ def _tail(path: Path, n: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
+
+
+@dataclass(frozen=True)
+class EtcdTLSFiles:
+    """PEM files for an etcd that serves TLS: its certificate and key, the CA that signed it
+    (clients verify etcd with it), and optionally a client certificate and key: then etcd runs
+    with ``--client-cert-auth --trusted-ca-file ca`` and clients present that certificate."""
+
+    cert: str
+    key: str
+    ca: str
+    client_cert: str | None = None
+    client_key: str | None = None
+
+
+ETCD_ROOT = "root"
 
 
 @dataclass
@@ -123,7 +146,9 @@ class Proc:
 class LocalCluster:
     def __init__(self, data_dir: str | Path, bookies: int = 3, *, etcd_port: int | None = None,
                  bookie_ports: list[int] | None = None, python: str | None = None, bookie_args: list[str] | None = None,
-                 etcd_peer_port: int | None = None, bookie_metrics_ports: list[int] | None = None):
+                 etcd_peer_port: int | None = None, bookie_metrics_ports: list[int] | None = None,
+                 etcd_password: str | None = None, etcd_tls: EtcdTLSFiles | None = None,
+                 etcd_auth_token_ttl: int | None = None, etcd_args: list[str] | None = None):
         self.dir = Path(data_dir).resolve()
         self.n = bookies
         self.python = python or sys.executable
@@ -132,12 +157,28 @@ class LocalCluster:
         self.bookie_ports = bookie_ports or [free_port() for _ in range(bookies)]
         self.bookie_metrics_ports = bookie_metrics_ports
         self.bookie_args = bookie_args or []
+        self.etcd_password = etcd_password  # not None: etcd runs with auth on, user "root"
+        self.etcd_tls = etcd_tls
+        self.etcd_auth_token_ttl = etcd_auth_token_ttl  # etcd's --auth-token-ttl (s); tests shorten it
+        self.etcd_args = etcd_args or []
         self.etcd: Proc | None = None
         self.bookies: list[Proc] = []
 
     @property
     def metadata_url(self) -> str:
-        return f"etcd://127.0.0.1:{self.etcd_port}"
+        """The URL clients use; with auth it carries root's password (redact it before showing:
+        ``fragments.security.redact_url``)."""
+        scheme = "etcds" if self.etcd_tls else "etcd"
+        creds = ""
+        if self.etcd_password is not None:
+            creds = f"{ETCD_ROOT}:{urllib.parse.quote(self.etcd_password, safe='')}@"
+        query = ""
+        if self.etcd_tls:
+            files = {"ca": self.etcd_tls.ca}
+            if self.etcd_tls.client_cert:
+                files.update(cert=self.etcd_tls.client_cert, key=self.etcd_tls.client_key)
+            query = "?" + urllib.parse.urlencode(files)
+        return f"{scheme}://{creds}127.0.0.1:{self.etcd_port}{query}"
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
         try:
@@ -155,15 +196,72 @@ class LocalCluster:
     def start_etcd(self, timeout_s: float = 30.0) -> None:
         d = self.dir / "etcd"
         d.mkdir(parents=True, exist_ok=True)
-        url = f"http://127.0.0.1:{self.etcd_port}"
+        tls = self.etcd_tls
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{self.etcd_port}"
         peer = f"http://127.0.0.1:{self.etcd_peer_port}"
         args = [find_etcd(), "--name", "scroll", "--data-dir", str(d / "data"),
                 "--listen-client-urls", url, "--advertise-client-urls", url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"scroll={peer}", "--log-level", "warn"]
+        if tls:
+            args += ["--cert-file", tls.cert, "--key-file", tls.key]
+            if tls.client_cert:
+                args += ["--client-cert-auth", "--trusted-ca-file", tls.ca]
+        if self.etcd_auth_token_ttl is not None:
+            args += ["--auth-token-ttl", str(self.etcd_auth_token_ttl)]
+        args += self.etcd_args
         self.etcd = Proc("etcd", args, self.etcd_port, d / "etcd.log", parent_death_signal=True)
         self.etcd.start()
         _wait_port(self.etcd_port, self.etcd.popen, "etcd", timeout_s, self.etcd.log)
+        if self.etcd_password is not None:
+            self._enable_etcd_auth(timeout_s)
+
+    def _etcd_channel(self):
+        import grpc
+
+        target = f"127.0.0.1:{self.etcd_port}"
+        tls = self.etcd_tls
+        if not tls:
+            return grpc.insecure_channel(target)
+        read = lambda p: None if p is None else Path(p).read_bytes()  # noqa: E731
+        creds = grpc.ssl_channel_credentials(read(tls.ca), read(tls.client_key), read(tls.client_cert))
+        return grpc.secure_channel(target, creds)
+
+    def _enable_etcd_auth(self, timeout_s: float) -> None:
+        """Create ``root`` with ``etcd_password`` and turn auth on, through etcd's gRPC Auth API
+        (what ``etcdctl user add root; etcdctl auth enable`` do; etcdctl is often not installed).
+        On a data directory where auth is already on, only checks that the password works."""
+        import grpc
+        from aetcd import rpc
+
+        password = self.etcd_password
+        deadline = time.monotonic() + timeout_s
+        with self._etcd_channel() as channel:
+            auth = rpc.AuthStub(channel)
+            while True:
+                try:
+                    auth.Authenticate(rpc.AuthenticateRequest(name=ETCD_ROOT, password=password), timeout=5)
+                    return  # auth is already on (a restart) and the password is right
+                except grpc.RpcError as e:
+                    detail = e.details() or ""
+                    if "authentication is not enabled" in detail:
+                        break
+                    if "authentication failed" in detail:
+                        raise ClusterError(f"etcd in {self.dir / 'etcd'} already has auth on with another root "
+                                           "password") from None
+                    if time.monotonic() > deadline:
+                        raise ClusterError(f"etcd did not answer to enable auth: {e.code().name}: {detail}; "
+                                           f"see {self.etcd.log}:\n{_tail(self.etcd.log)}") from None
+                    time.sleep(0.1)  # not ready yet (no leader)
+            try:
+                auth.UserAdd(rpc.AuthUserAddRequest(name=ETCD_ROOT, password=password), timeout=5)
+            except grpc.RpcError as e:
+                if "user name already exists" not in (e.details() or ""):
+                    raise
+                auth.UserChangePassword(rpc.AuthUserChangePasswordRequest(name=ETCD_ROOT, password=password),
+                                        timeout=5)
+            auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=ETCD_ROOT, role="root"), timeout=5)
+            auth.AuthEnable(rpc.AuthEnableRequest(), timeout=5)
 
     def _bookie_proc(self, i: int) -> Proc:
         port = self.bookie_ports[i]

@@ -10,6 +10,10 @@ runs) and runs the retention job on a schedule. A child that dies is restarted (
 and the restart is counted and logged; Ctrl-C (SIGINT) or SIGTERM stops the Kafka listener, the
 bookies and etcd, in that order, and waits for each. Starting again on the same directory keeps
 the data. Ports already in use fail fast with a message naming the option that moves them.
+
+``--etcd-auth`` (off by default) runs etcd with its auth on: user ``root`` with a random password
+kept in ``<data-dir>/etcd/root.password`` (mode 0600, reused on restart); the bookies and the Kafka
+listener get a metadata URL carrying it, and the banner shows that URL with the password redacted.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -26,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+
+from fragments.security import redact_url
 
 from .localcluster import ClusterError, LocalCluster, Proc, _tail, _wait_port
 
@@ -47,6 +54,7 @@ class StandaloneConfig:
     default_partitions: int = 1
     restart_children: bool = True
     extra_kafka_args: list[str] = field(default_factory=list)
+    etcd_auth: bool = False  # etcd with auth on: root's password in <data-dir>/etcd/root.password
 
     @property
     def bookie_ports(self) -> list[int]:
@@ -84,13 +92,31 @@ def _port_free(port: int) -> bool:
         return True
 
 
+def etcd_password_file(data_dir: Path) -> Path:
+    return data_dir / "etcd" / "root.password"
+
+
+def _etcd_password(data_dir: Path) -> str:
+    """root's etcd password: the one kept under the data directory, or a new random one."""
+    path = etcd_password_file(data_dir)
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_urlsafe(24)  # URL-safe: the URL needs no quoting
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
+
+
 class Standalone:
     def __init__(self, config: StandaloneConfig):
         self.config = config
         self.dir = config.data_dir.resolve()
+        password = _etcd_password(self.dir) if config.etcd_auth else None
         self.cluster = LocalCluster(self.dir, bookies=config.bookies, etcd_port=config.etcd_port,
                                     etcd_peer_port=config.etcd_peer_port, bookie_ports=config.bookie_ports,
-                                    bookie_metrics_ports=config.bookie_metrics_ports)
+                                    bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password)
         self.kafka: Proc | None = None
         self.restarts: dict[str, int] = {}
         self._metrics = None
@@ -116,7 +142,8 @@ class Standalone:
 
     def _kafka_proc(self) -> Proc:
         c = self.config
-        args = [sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", c.metadata_url, "--host", "127.0.0.1",
+        args = [sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", self.cluster.metadata_url,
+                "--host", "127.0.0.1",
                 "--port", str(c.kafka_port), "--default-partitions", str(c.default_partitions),
                 "--metrics-port", str(c.kafka_metrics_port), *c.extra_kafka_args]
         return Proc("kafka", args, c.kafka_port, self.dir / "kafka" / "kafka.log")
@@ -217,9 +244,15 @@ class Standalone:
         c = self.config
         bookies = ", ".join(f"127.0.0.1:{p}" for p in c.bookie_ports)
         bmetrics = ", ".join(f"http://127.0.0.1:{p}/metrics" for p in c.bookie_metrics_ports)
+        url = c.metadata_url
+        metadata = url
+        if c.etcd_auth:  # never print the password: say where it is
+            pw_file = etcd_password_file(self.dir)
+            metadata = f"{redact_url(self.cluster.metadata_url)}  (etcd auth on; root's password in {pw_file})"
+            url = f"etcd://root:' + open('{pw_file}').read().strip() + '@127.0.0.1:{c.etcd_port}"
         return "\n".join([
             f"{READY_LINE}  (data in {self.dir}; Ctrl-C stops everything)",
-            f"  metadata (etcd)  {c.metadata_url}",
+            f"  metadata (etcd)  {metadata}",
             f"  bookies          {bookies}",
             f"  kafka            127.0.0.1:{c.kafka_port}",
             f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics}; Kafka "
@@ -229,14 +262,14 @@ class Standalone:
             "try it:",
             f"  echo hello | kcat -b 127.0.0.1:{c.kafka_port} -t greetings -P && "
             f"kcat -b 127.0.0.1:{c.kafka_port} -t greetings -C -e",
-            f"  .venv/bin/python -c \"import streams.sync as s; c = s.connect('{c.metadata_url}'); "
+            f"  .venv/bin/python -c \"import streams.sync as s; c = s.connect('{url}'); "
             "print([(r.offset, r.value) for r in c.consumer('greetings').read(10)])\"",
         ])
 
     async def run_forever(self, stop: asyncio.Event) -> None:
         from ..client import connect
 
-        client = await connect(self.config.metadata_url)
+        client = await connect(self.cluster.metadata_url)
         next_retention = time.monotonic() + min(10.0, self.config.retention_interval_s)
         next_stream_metrics = 0.0
         backoff_until = 0.0
@@ -344,8 +377,11 @@ def run(config: StandaloneConfig) -> None:
               help="Seconds between retention runs.")
 @click.option("--default-partitions", default=1, show_default=True, type=click.IntRange(1, 1000),
               help="Partitions of a Kafka topic created on first use.")
+@click.option("--etcd-auth", is_flag=True,
+              help="Run etcd with its auth on (user root, a random password kept in <data-dir>/etcd/root.password).")
 def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_peer_port: int, bookie_base_port: int,
-                       metrics_port: int, bookies: int, retention_interval_s: float, default_partitions: int) -> None:
+                       metrics_port: int, bookies: int, retention_interval_s: float, default_partitions: int,
+                       etcd_auth: bool) -> None:
     """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
     127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
 
@@ -353,9 +389,11 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
     Examples:
       scroll standalone
       scroll standalone --data-dir /var/lib/scroll --kafka-port 19092
+      scroll standalone --etcd-auth
     """
     if retention_interval_s <= 0:
         raise click.BadParameter("must be > 0", param_hint="--retention-interval")
     run(StandaloneConfig(data_dir=data_dir, kafka_port=kafka_port, etcd_port=etcd_port, etcd_peer_port=etcd_peer_port,
                          bookie_base_port=bookie_base_port, metrics_port=metrics_port, bookies=bookies,
-                         retention_interval_s=retention_interval_s, default_partitions=default_partitions))
+                         retention_interval_s=retention_interval_s, default_partitions=default_partitions,
+                         etcd_auth=etcd_auth))

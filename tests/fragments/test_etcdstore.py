@@ -22,7 +22,7 @@ def test_parse_etcd_url():
     assert parse_etcd_url("http://localhost:1234/") == ("localhost", 1234, "")
     assert parse_etcd_url("etcd://10.0.0.1") == ("10.0.0.1", 2379, "")
     assert parse_etcd_url("etcd://127.0.0.1:2379/tenant-a") == ("127.0.0.1", 2379, "/tenant-a")
-    for bad in ["https://127.0.0.1:2379", "127.0.0.1:2379", "etcd://a:1,b:2", "etcd://h:notaport"]:
+    for bad in ["ftp://127.0.0.1:2379", "etcd://127.0.0.1:2379?ca=/x", "127.0.0.1:2379", "etcd://a:1,b:2", "etcd://h:notaport"]:
         with pytest.raises(ValueError):
             parse_etcd_url(bad)
 
