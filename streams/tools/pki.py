@@ -30,7 +30,7 @@ RENEW_BEFORE = dt.timedelta(days=30)
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _write_key(path: Path, key) -> None:
