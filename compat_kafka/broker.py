@@ -38,7 +38,7 @@ from kio.schema.errors import ErrorCode
 from streams.errors import NoSuchTopic, StaleTermError, TopicExists
 from streams.topics import InvalidTopicName, TopicMeta, check_topic_name
 
-from . import codec
+from . import authorizer, codec
 from .admin import Admin, check_topic_configs, retention_policy
 from .batches import split_batches
 from .codec import ZERO_MS, build, nested
@@ -101,6 +101,9 @@ class BrokerConfig:
     # partitions being opened (claimed and taken over) at once: a first produce to a new topic
     # opens all its partitions concurrently, up to this many in flight
     max_concurrent_opens: int = 32
+    # Kafka ACLs (authorizer.py): with acls off every principal may do anything (as before)
+    acls: bool = False
+    super_users: frozenset[str] = frozenset()  # e.g. {"User:admin"}: bypass the ACLs
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     groups: GroupConfig = field(default_factory=GroupConfig)
     transactions: TxnConfig = field(default_factory=TxnConfig)
@@ -157,6 +160,10 @@ class Broker:
         self._handlers.update(self.groups.handlers())
         self._handlers.update(self.admin.handlers())
         self._handlers.update(self.txn.handlers())
+        self.authorizer = (authorizer.Authorizer(self.store, self.config.super_users) if self.config.acls
+                           else None)  # ACLs (authorizer.py)
+        self._handlers.update(authorizer.AclApis(self).handlers())
+        self._handlers.update(authorizer.ScramApis(self).handlers())
 
     def prepare(self, req: codec.Request) -> None:
         """Called as a request is read, before it is handled (requests of one connection may be
@@ -168,6 +175,8 @@ class Broker:
         if req.api_key != codec.API_PRODUCE or getattr(req.body, "acks", None) not in (-1, 0, 1):
             return
         for t in req.body.topic_data:
+            if not authorizer.may_write(self.authorizer, t.name):  # refused: opened for nobody
+                continue
             for p in t.partition_data:
                 plog = self._logs.get((t.name, p.index))
                 if plog is not None and plog.usable and plog.writable:
@@ -178,6 +187,8 @@ class Broker:
     async def handle(self, req: codec.Request) -> Any:
         resp_cls = _response_schema(req.api_key, req.api_version)
         codec.set_client_id(req.client_id)
+        if self.authorizer is not None:
+            return await authorizer.check(self.authorizer, self, req, resp_cls, self._handlers[req.api_key])
         return await self._handlers[req.api_key](req.body, resp_cls)
 
     # ---------------------------------------------------------------- ownership (several shims)
@@ -189,6 +200,8 @@ class Broker:
         """Register as a broker (``port``: the port actually listened on, when configured as 0)."""
         if port is not None and self.config.port == 0:
             self.ownership.port = port
+        if self.authorizer is not None:
+            await self.authorizer.start()
         await self.ownership.start()
         self.txn.start()
 
@@ -220,6 +233,8 @@ class Broker:
             await p.close()
         await self.txn.close()
         await self.groups.close()
+        if self.authorizer is not None:
+            await self.authorizer.close()
         await self.ownership.close()
 
     # ---------------------------------------------------------------- topics and partitions

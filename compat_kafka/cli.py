@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import click
 
 from . import sasl
+from .acls import parse_super_users
 from .broker import Broker, BrokerConfig
 from .group_cli import groups_command
 from .server import KafkaServer, ServerConfig, TlsConfig
@@ -82,12 +84,17 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
               show_default=True, help="required: mutual TLS, a client without a trusted certificate is refused")
 @click.option("--sasl-mechanisms", default=None,
               help="turn on SASL: comma-separated PLAIN,SCRAM-SHA-256,SCRAM-SHA-512 (users: `scroll kafka user add`)")
+@click.option("--acls", is_flag=True, help="enforce Kafka ACLs (CreateAcls/DeleteAcls; without any, only super users)")
+@click.option("--super-users", default="", help="principals that bypass the ACLs, e.g. 'User:admin;User:ops'")
+@click.option("--connections-max-reauth-ms", default=0, show_default=True, type=click.IntRange(0),
+              help="KIP-368: SASL sessions last this long; a connection not re-authenticated is closed (0: off)")
 @click.pass_context
 def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port: int, advertised_host: str,
                   node_id: int | None, lease_ttl: float, test_drop_produce_response_every: int,
                   default_partitions: int, no_auto_create: bool, max_frame_bytes: int, metrics_port: int | None,
                   metrics_host: str, no_fetch_sessions: bool, ssl_cert: str | None, ssl_key: str | None,
-                  ssl_client_ca: str | None, ssl_client_auth: str, sasl_mechanisms: str | None) -> None:
+                  ssl_client_ca: str | None, ssl_client_auth: str, sasl_mechanisms: str | None,
+                  **security_options) -> None:
     """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams.
 
     \b
@@ -118,6 +125,7 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
                                      default_partitions=default_partitions, auto_create_topics=not no_auto_create,
                                      drop_produce_response_every=test_drop_produce_response_every,
                                      fetch_sessions=not no_fetch_sessions)
+        server_config, broker_config = _with_security(server_config, broker_config, **security_options)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     metrics = None
@@ -138,6 +146,18 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
 
 
 kafka_command.add_command(groups_command, "groups")
+
+
+def _with_security(server_config: ServerConfig, broker_config: BrokerConfig, acls: bool, super_users: str,
+                   connections_max_reauth_ms: int) -> tuple[ServerConfig, BrokerConfig]:
+    """The ACL and re-authentication options applied to the configs (ValueError when invalid)."""
+    users = parse_super_users(super_users)
+    if users and not acls:
+        raise ValueError("--super-users needs --acls")
+    if connections_max_reauth_ms and not server_config.sasl_mechanisms:
+        raise ValueError("--connections-max-reauth-ms needs --sasl-mechanisms")
+    return (dataclasses.replace(server_config, connections_max_reauth_ms=connections_max_reauth_ms),
+            dataclasses.replace(broker_config, acls=acls, super_users=users))
 
 
 # ---------------------------------------------------------------- scroll kafka user

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import ssl
 import struct
@@ -85,10 +86,15 @@ class ServerConfig:
     max_connections: int = 1000
     tls: TlsConfig | None = None  # None: PLAINTEXT
     sasl_mechanisms: tuple[str, ...] = ()  # e.g. ("PLAIN", "SCRAM-SHA-256"); empty: no SASL
+    # KIP-368: a SASL session (SaslAuthenticate v1+) lasts this long; a request after it ended that
+    # is not a re-authentication closes the connection. 0: sessions never end
+    connections_max_reauth_ms: int = 0
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024 or self.max_inflight_requests < 1 or self.max_connections < 1:
             raise ValueError(f"invalid server config {self}")
+        if self.connections_max_reauth_ms < 0:
+            raise ValueError("connections_max_reauth_ms must be 0 (off) or positive")
         if any(m not in sasl.MECHANISMS for m in self.sasl_mechanisms):
             raise ValueError(f"unsupported SASL mechanisms {self.sasl_mechanisms}; supported: {sasl.MECHANISMS}")
 
@@ -152,6 +158,10 @@ class KafkaServer:
             return
         self._conns.add(task)
         auth = codec.ConnectionAuth()
+        ssl_object = writer.get_extra_info("ssl_object")
+        if ssl_object is not None:  # a verified client certificate names the principal (without SASL)
+            with contextlib.suppress(Exception):
+                auth.tls_subject = (ssl_object.getpeercert() or {}).get("subject") or None
         codec.set_connection_auth(auth)  # before the dispatcher starts: its request tasks inherit it
         requests: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # read, not started
         queue: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # started, answers in order
@@ -201,6 +211,10 @@ class KafkaServer:
                     raise
                 await requests.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
                 continue
+            if (auth.expires_at is not None and asyncio.get_running_loop().time() >= auth.expires_at
+                    and req.api_key not in (codec.API_SASL_HANDSHAKE, codec.API_SASL_AUTHENTICATE)):
+                raise ProtocolError(f"api key {req.api_key} after the SASL session of {auth.principal} expired "
+                                    f"(not re-authenticated, KIP-368)")
             if req.api_key in (codec.API_SASL_HANDSHAKE, codec.API_SASL_AUTHENTICATE):
                 body, close = await self._sasl(req, auth, session, peer)
                 await requests.put(_done(codec.encode_response(req.correlation_id, body)))
@@ -217,13 +231,16 @@ class KafkaServer:
         resp_cls = codec.response_schema(req.api_key, req.api_version)
         mechs = self.config.sasl_mechanisms
         if req.api_key == codec.API_SASL_HANDSHAKE:
-            if auth.principal is not None or session:
+            # KIP-368: a connection authenticated with an ending session may authenticate again
+            reauth = auth.principal is not None and auth.expires_at is not None
+            if (auth.principal is not None and not reauth) or (session and not reauth):
                 return codec.build(resp_cls, error_code=ErrorCode.illegal_sasl_state, mechanisms=mechs), True
             if req.body.mechanism not in mechs:
                 return codec.build(resp_cls, error_code=ErrorCode.unsupported_sasl_mechanism, mechanisms=mechs), True
+            session.clear()
             session.append(sasl.SaslSession(self.broker.store, req.body.mechanism))
             return codec.build(resp_cls, error_code=ErrorCode.none, mechanisms=mechs), False
-        if not session or auth.principal is not None:
+        if not session or session[0].principal is not None:
             return codec.build(resp_cls, error_code=ErrorCode.illegal_sasl_state, auth_bytes=b"",
                                error_message="SaslAuthenticate without a SaslHandshake"), True
         try:
@@ -237,10 +254,23 @@ class KafkaServer:
             log.exception("SASL authentication from %s could not be checked", peer)
             return codec.build(resp_cls, error_code=ErrorCode.sasl_authentication_failed, auth_bytes=b"",
                                error_message="Authentication could not be checked (server error)"), True
+        lifetime_ms = 0
         if session[0].principal is not None:
+            if auth.principal is not None and session[0].principal != auth.principal:
+                log.warning("SASL re-authentication from %s as %s, not %s: closing", peer, session[0].principal,
+                            auth.principal)
+                return codec.build(resp_cls, error_code=ErrorCode.sasl_authentication_failed, auth_bytes=b"",
+                                   error_message="Cannot change principals during re-authentication"), True
+            again = auth.principal is not None
             auth.principal = session[0].principal
-            log.info("SASL %s: %s authenticated from %s", session[0].mechanism, auth.principal, peer)
-        return codec.build(resp_cls, error_code=ErrorCode.none, error_message=None, auth_bytes=token), False
+            reauth_ms = self.config.connections_max_reauth_ms
+            if reauth_ms and req.api_version >= 1:  # v0 clients cannot be told: their sessions never end
+                lifetime_ms = reauth_ms
+                auth.expires_at = asyncio.get_running_loop().time() + reauth_ms / 1000
+            log.info("SASL %s: %s %sauthenticated from %s", session[0].mechanism, auth.principal,
+                     "re-" if again else "", peer)
+        return codec.build(resp_cls, error_code=ErrorCode.none, error_message=None, auth_bytes=token,
+                           session_lifetime=datetime.timedelta(milliseconds=lifetime_ms)), False
 
     async def _dispatch_loop(self, requests: asyncio.Queue, queue: asyncio.Queue) -> None:
         """Start the requests read, in order, each once the previous one has taken effect."""
