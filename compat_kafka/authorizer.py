@@ -224,9 +224,10 @@ async def _produce(az: Authorizer, req, resp_cls, call):
         code = TOPIC_DENIED
         ok = lambda t: az.allowed(TOPIC, t.name, Operation.WRITE)  # noqa: E731
     tc, pc = nested(resp_cls, "TopicProduceResponse"), nested(resp_cls, "PartitionProduceResponse")
-    return await _split(call, req, resp_cls, "topic_data", "responses", ok, lambda t: tc(name=t.name, partition_responses=tuple(
+    resp = await _split(call, req, resp_cls, "topic_data", "responses", ok, lambda t: tc(name=t.name, partition_responses=tuple(
         build(pc, index=p.index, error_code=code, base_offset=-1, log_append_time=None, log_start_offset=-1,
               record_errors=(), error_message=None) for p in t.partition_data)))
+    return None if req.acks == 0 else resp  # acks=0: no answer, refused or not
 
 
 async def _fetch(az, req, resp_cls, call):
@@ -276,9 +277,10 @@ async def _metadata(az, broker, req, resp_cls, call):
         for t in resp.topics]
     topics += [build(topic_cls, error_code=TOPIC_DENIED, name=n, topic_id=None, is_internal=False, partitions=())
                for n in denied]
-    if resp is None:  # nothing asked about is visible: the brokers still
-        resp = await call(dataclasses.replace(req, topics=(), allow_auto_topic_creation=False)
-                          if resp_cls.__version__ > 0 else req)
+    if resp is None:  # nothing asked about is visible: the brokers still (v0: () lists every topic)
+        fields = {f.name for f in dataclasses.fields(req)}
+        resp = await call(dataclasses.replace(req, topics=(), **({"allow_auto_topic_creation": False}
+                                                                 if "allow_auto_topic_creation" in fields else {})))
     return dataclasses.replace(resp, topics=tuple(topics))
 
 
@@ -544,7 +546,7 @@ GUARDS = {
     codec.API_INCREMENTAL_ALTER_CONFIGS: _configs(Operation.ALTER_CONFIGS, "AlterConfigsResourceResponse",
                                                   "responses"),
     codec.API_CREATE_PARTITIONS: _create_partitions,
-    codec.API_DESCRIBE_CLUSTER: _cluster_whole(Operation.DESCRIBE),
+    codec.API_DESCRIBE_CLUSTER: _free,  # as Kafka: DESCRIBE on the cluster only for its authorized operations
     codec.API_DELETE_RECORDS: _delete_records,
     codec.API_DESCRIBE_ACLS: _own_check,
     codec.API_CREATE_ACLS: _own_check,
