@@ -134,6 +134,7 @@ class Authorizer:
 
     # ---------------------------------------------------------------- changes
     async def create(self, binding: AclBinding) -> None:
+        """Store ``binding`` (applied here at the next ``reload``)."""
         await self.store.put(PREFIX + binding.key(), binding.to_bytes())
 
     async def delete_matching(self, f: AclFilter) -> list[AclBinding]:
@@ -142,6 +143,7 @@ class Authorizer:
         for b in self.acls.matching(f):
             if await self.store.delete(PREFIX + b.key()):
                 gone.append(b)
+        await self.reload()
         return gone
 
 
@@ -259,14 +261,15 @@ async def _metadata(az, broker, req, resp_cls, call):
             t for t in resp.topics if t.name is None or az.allowed(TOPIC, t.name, Operation.DESCRIBE)))
     denied = []
     good = []
-    create_all = az.cluster(Operation.CREATE)
+    # auto-creation (Kafka: the broker allows it and the request asks) needs CREATE on the cluster or topic
+    creating = (getattr(req, "allow_auto_topic_creation", True) and not az.cluster(Operation.CREATE)
+                and await broker.admin.auto_create_topics())
     for t in req.topics:
         if t.name is None:  # by id: checked on the answer
             good.append(t)
         elif not az.allowed(TOPIC, t.name, Operation.DESCRIBE):
             denied.append(t.name)
-        elif (not create_all and getattr(req, "allow_auto_topic_creation", True)
-              and not az.allowed(TOPIC, t.name, Operation.CREATE) and await broker.topic(t.name) is None):
+        elif creating and not az.allowed(TOPIC, t.name, Operation.CREATE) and await broker.topic(t.name) is None:
             denied.append(t.name)  # Kafka: unknown and not allowed to create it
         else:
             good.append(t)
@@ -336,17 +339,16 @@ async def _offset_fetch(az, req, resp_cls, call):
         resp = await _split(call, req, resp_cls, "groups", "groups",
                             lambda g: az.allowed(GROUP, g.group_id, Operation.DESCRIBE),
                             lambda g: blank(gc, group_id=g.group_id, topics=(), error_code=GROUP_DENIED))
+        all_asked = {g.group_id for g in req.groups if g.topics is None}
         return dataclasses.replace(resp, groups=tuple(
-            dataclasses.replace(g, topics=_visible_offsets(az, g.topics, "OffsetFetchResponsePartitions", resp_cls))
-            for g in resp.groups))
+            dataclasses.replace(g, topics=_visible_offsets(az, g.topics, g.group_id in all_asked)) for g in resp.groups))
     if not az.allowed(GROUP, req.group_id, Operation.DESCRIBE):
         return refused(resp_cls, GROUP_DENIED)
     resp = await call(req)
-    return dataclasses.replace(resp, topics=_visible_offsets(az, resp.topics, "OffsetFetchResponsePartition", resp_cls,
-                                                             listing=req.topics is None))
+    return dataclasses.replace(resp, topics=_visible_offsets(az, resp.topics, req.topics is None))
 
 
-def _visible_offsets(az, topics, part_cls: str, resp_cls, listing: bool = False):
+def _visible_offsets(az, topics, listing: bool):
     """Committed offsets of topics not DESCRIBE-able: left out when all were asked for, else answered
     TOPIC_AUTHORIZATION_FAILED (as Kafka)."""
     out = []

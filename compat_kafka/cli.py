@@ -22,6 +22,7 @@ from collections.abc import Callable
 import click
 
 from . import sasl
+from .acl_cli import acl_command
 from .acls import parse_super_users
 from .broker import Broker, BrokerConfig
 from .group_cli import groups_command
@@ -220,3 +221,4 @@ def user_list(metadata_url: str) -> None:
 
 
 kafka_command.add_command(user_command, "user")
+kafka_command.add_command(acl_command, "acl")

@@ -107,6 +107,42 @@ def test_tls_principal_is_kafkas_dn_form():
     assert principal_from_dn(subject) == "User:CN=client,O=Org\\, Inc,C=US"
 
 
+def test_listener_cache_follows_the_store():
+    """Two authorizers on one store (two listeners): a binding created through one is applied by the
+    other at its next refresh, and decisions cached before are dropped."""
+    from compat_kafka import codec
+    from compat_kafka.authorizer import Authorizer
+    from fragments.memstore import MemoryStore
+
+    async def main():
+        store = MemoryStore()
+        a, b = Authorizer(store, refresh_s=0.05), Authorizer(store, refresh_s=0.05)
+        await a.start()
+        await b.start()
+        try:
+            auth = codec.ConnectionAuth(principal="alice")
+            codec.set_connection_auth(auth)
+            codec.set_client_host(("10.1.2.3", 5555))
+            assert not b.allowed(T, "orders", Operation.READ)  # cached: refused
+            await a.create(_b(T, "orders", LIT, "User:alice", Operation.READ, host="10.1.2.3"))
+            await a.reload()
+            assert a.allowed(T, "orders", Operation.READ)
+            deadline = asyncio.get_running_loop().time() + 5
+            while not b.allowed(T, "orders", Operation.READ):
+                assert asyncio.get_running_loop().time() < deadline, "the other listener never applied it"
+                await asyncio.sleep(0.01)
+            gone = await b.delete_matching(AclFilter.make(ResourceType.ANY, None, PatternType.ANY, "User:alice",
+                                                          None, Operation.ANY, Permission.ANY))
+            assert len(gone) == 1 and not b.allowed(T, "orders", Operation.READ)
+            auth.principal = None  # not authenticated: User:ANONYMOUS
+            assert not a.allowed(T, "orders", Operation.READ)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------- a real listener
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition  # noqa: E402
 from confluent_kafka.admin import (  # noqa: E402
@@ -347,3 +383,145 @@ def test_a_change_through_one_listener_applies_on_another(acl_cluster, acl_shim,
         _wait(lambda: "shared-1" in _topics_seen(other, "bob"), "bob sees shared-1 through the other listener")
     finally:
         other.stop()
+
+
+def test_transactional_producer_needs_write_on_its_transactional_id(acl_shim):
+    _create_topic(acl_shim, "txn-t")
+    _create_acls(acl_shim, _acl(CkResourceType.TOPIC, "txn-t", AclOperation.WRITE, "User:alice"))
+
+    def producer(txn_id: str) -> Producer:
+        return Producer({"bootstrap.servers": acl_shim.bootstrap, "transactional.id": txn_id, **_conf("alice")})
+
+    with pytest.raises(KafkaException) as exc:
+        producer("tx-alice-1").init_transactions(30)
+    assert exc.value.args[0].code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+    _create_acls(acl_shim, _acl(CkResourceType.TRANSACTIONAL_ID, "tx-alice-", AclOperation.WRITE, "User:alice",
+                                ResourcePatternType.PREFIXED))
+    p = producer("tx-alice-2")
+    p.init_transactions(30)
+    p.begin_transaction()
+    p.produce("txn-t", value=b"t0")
+    p.commit_transaction(30)
+    assert _end_offset(acl_shim, "txn-t") == 2  # the record and the commit marker
+
+
+@pytest.fixture(scope="module")
+def other_cluster(tmp_path_factory):
+    """A cluster of its own for listeners configured otherwise: admin requests go to the controller
+    (the lowest live node id), which must be the listener under test."""
+    c = LocalCluster(tmp_path_factory.mktemp("acl-other-cluster"), bookies=3)
+    c.start()
+    r = subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "user", "add", "alice", "--password",
+                        "alice-pw", "--metadata", c.metadata_url], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    yield c
+    c.stop()
+
+
+def test_acl_apis_without_acls_answer_security_disabled(other_cluster, tmp_path):
+    shim = ShimProcess(other_cluster.metadata_url, tmp_path, "--sasl-mechanisms", "SCRAM-SHA-256")
+    shim.start_and_wait()
+    try:
+        with pytest.raises(KafkaException) as exc:
+            _create_acls(shim, _acl(CkResourceType.TOPIC, "t", AclOperation.READ, "User:alice"), user="alice")
+        assert exc.value.args[0].code() == KafkaError.SECURITY_DISABLED
+        assert _produce(shim, "alice", "no-acls", 2) == []  # everything allowed, as before
+    finally:
+        shim.stop()
+
+
+def test_a_tls_client_certificate_names_the_principal(other_cluster, tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    files = {"ca": tmp_path / "ca.pem"}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    for name, cert in (("server", ca.issue_cert("127.0.0.1", "localhost")),
+                       ("admin", ca.issue_cert("admin.test", common_name="admin", organization_name="scroll",
+                                            organization_unit_name="ops")),
+                       ("client", ca.issue_cert("client.test", common_name="client", organization_name="Org, Inc",
+                                             organization_unit_name="eng"))):
+        cert.private_key_pem.write_to_path(str(tmp_path / f"{name}.key"))
+        with open(tmp_path / f"{name}.pem", "wb") as f:
+            for blob in cert.cert_chain_pems:
+                f.write(blob.bytes())
+    shim = ShimProcess(other_cluster.metadata_url, tmp_path, "--ssl-cert", str(tmp_path / "server.pem"), "--ssl-key",
+                       str(tmp_path / "server.key"), "--ssl-client-ca", str(files["ca"]), "--ssl-client-auth",
+                       "required", "--acls", "--super-users", "User:CN=admin,OU=ops,O=scroll")
+    shim.start_and_wait()
+
+    def conf(who: str) -> dict:
+        return {"security.protocol": "SSL", "ssl.ca.location": str(files["ca"]),
+                "ssl.certificate.location": str(tmp_path / f"{who}.pem"),
+                "ssl.key.location": str(tmp_path / f"{who}.key")}
+
+    def produce(who: str, topic: str) -> list:
+        errors: list = []
+        p = Producer({"bootstrap.servers": shim.bootstrap, "acks": "all", "message.timeout.ms": 20000, **conf(who)})
+        p.produce(topic, value=b"x", on_delivery=lambda err, _m: errors.append(err.code()) if err else None)
+        assert p.flush(40) == 0
+        return errors
+
+    try:
+        admin = AdminClient({"bootstrap.servers": shim.bootstrap, **conf("admin")})
+        for f in admin.create_topics([NewTopic("tls-ok", 1), NewTopic("tls-no", 1)], request_timeout=30).values():
+            f.result(30)
+        for f in admin.create_acls([_acl(CkResourceType.TOPIC, "tls-ok", AclOperation.WRITE,
+                                         "User:CN=client,OU=eng,O=Org\\, Inc")], request_timeout=30).values():
+            f.result(30)
+        assert produce("client", "tls-ok") == []
+        assert produce("client", "tls-no") == [KafkaError.TOPIC_AUTHORIZATION_FAILED]
+        assert produce("admin", "tls-no") == []  # the super user, by its certificate
+    finally:
+        shim.stop()
+
+
+def test_refusals_encode_for_every_api_and_version():
+    """A request refused as a whole is answered with the error in an otherwise empty response of its
+    own version: every such response, and every blank nested entry, encodes."""
+    import dataclasses
+    import sys as _sys
+
+    from kio.schema.errors import ErrorCode
+
+    from compat_kafka import codec
+    from compat_kafka.authorizer import blank, refused
+
+    for key, (lo, hi) in codec.SUPPORTED.items():
+        for v in range(lo, hi + 1):
+            resp_cls = codec.response_schema(key, v)
+            frame = codec.encode_response(7, refused(resp_cls, ErrorCode.cluster_authorization_failed))
+            corr, body = codec.decode_response(frame[4:], key, v)
+            assert corr == 7
+            if hasattr(body, "error_code"):
+                assert body.error_code == ErrorCode.cluster_authorization_failed
+            mod = _sys.modules[resp_cls.__module__]
+            for obj in vars(mod).values():
+                if dataclasses.is_dataclass(obj) and obj.__module__ == mod.__name__:
+                    blank(obj)
+
+
+def _acl_cli(url: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "acl", *args, "--metadata", url],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_acl_cli_adds_lists_and_removes(acl_cluster, acl_shim):
+    url = acl_cluster.metadata_url
+    _create_topic(acl_shim, "cli-t")
+    r = _acl_cli(url, "add", "--resource-type", "topic", "--name", "cli-", "--prefixed", "--principal", "User:bob",
+                 "--operation", "write", "--operation", "describe")
+    assert r.returncode == 0, r.stderr
+    r = _acl_cli(url, "list", "--principal", "User:bob", "--name", "cli-t", "--pattern", "match")
+    assert r.returncode == 0 and sorted(r.stdout.splitlines()) == [
+        "TOPIC\tPREFIXED\tcli-\tUser:bob\t*\tDESCRIBE\tALLOW", "TOPIC\tPREFIXED\tcli-\tUser:bob\t*\tWRITE\tALLOW"]
+    # the running listener applies it within about a second
+    _wait(lambda: _produce(acl_shim, "bob", "cli-t", 1) == [], "bob may write to cli-t")
+    r = _acl_cli(url, "remove", "--name", "cli-", "--principal", "User:bob")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == 2
+    _wait(lambda: _produce(acl_shim, "bob", "cli-t", 1) == [KafkaError.TOPIC_AUTHORIZATION_FAILED],
+          "bob is refused again")
+    assert _acl_cli(url, "remove", "--name", "cli-").returncode != 0  # nothing left to remove
+    r = _acl_cli(url, "add", "--resource-type", "cluster", "--name", "other", "--principal", "User:bob",
+                 "--operation", "alter")
+    assert r.returncode != 0 and "kafka-cluster" in r.stderr
