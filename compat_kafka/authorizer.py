@@ -242,7 +242,15 @@ async def _fetch(az, req, resp_cls, call):
     if req.topics and not any(ok(t) for t in req.topics):  # answered at once (no long poll)
         return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none,
                      session_id=getattr(req, "session_id", 0), responses=tuple(deny(t) for t in req.topics))
-    return await _split(call, req, resp_cls, "topics", "responses", ok, deny)
+    resp = await _split(call, req, resp_cls, "topics", "responses", ok, deny)
+    # an incremental fetch session (KIP-227) serves partitions added by earlier requests: what READ no
+    # longer allows is answered TOPIC_AUTHORIZATION_FAILED without its records
+    if any(not ok(t) and t.partitions and t.partitions[0].error_code != TOPIC_DENIED for t in resp.responses):
+        resp = dataclasses.replace(resp, responses=tuple(
+            t if ok(t) else dataclasses.replace(t, partitions=tuple(dataclasses.replace(
+                p, error_code=TOPIC_DENIED, records=None, aborted_transactions=None) for p in t.partitions))
+            for t in resp.responses))
+    return resp
 
 
 async def _list_offsets(az, req, resp_cls, call):

@@ -525,3 +525,41 @@ def test_acl_cli_adds_lists_and_removes(acl_cluster, acl_shim):
     r = _acl_cli(url, "add", "--resource-type", "cluster", "--name", "other", "--principal", "User:bob",
                  "--operation", "alter")
     assert r.returncode != 0 and "kafka-cluster" in r.stderr
+
+
+def test_read_revoked_during_a_fetch_session_stops_the_records(acl_shim):
+    """kafka-python's consumer keeps an incremental fetch session (KIP-227): once READ is revoked, its
+    next fetch is refused with TOPIC_AUTHORIZATION_FAILED and the records after are not served."""
+    import kafka
+    from kafka.errors import TopicAuthorizationFailedError
+
+    _create_topic(acl_shim, "revoked-t")
+    assert _produce(acl_shim, "admin", "revoked-t", 1) == []
+    _create_acls(acl_shim, _acl(CkResourceType.TOPIC, "revoked-t", AclOperation.READ, "User:alice"))
+    c = kafka.KafkaConsumer(bootstrap_servers=acl_shim.bootstrap, security_protocol="SASL_PLAINTEXT",
+                            sasl_mechanism="SCRAM-SHA-256", sasl_plain_username="alice",
+                            sasl_plain_password="alice-pw", enable_auto_commit=False, group_id=None)
+    tp = kafka.TopicPartition("revoked-t", 0)
+    records: list[bytes] = []
+    refused: list = []
+
+    def poll() -> None:
+        try:
+            for msgs in c.poll(timeout_ms=200).values():
+                records.extend(m.value for m in msgs)
+        except TopicAuthorizationFailedError as exc:
+            refused.append(exc)
+
+    try:
+        c.assign([tp])
+        c.seek(tp, 0)
+        _wait(lambda: poll() or records, "the first record")
+        admin = _admin(acl_shim)
+        flt = AclBindingFilter(CkResourceType.TOPIC, "revoked-t", ResourcePatternType.LITERAL, "User:alice", None,
+                               AclOperation.ANY, AclPermissionType.ANY)
+        assert len(admin.delete_acls([flt], request_timeout=30)[flt].result(30)) == 1
+        assert _produce(acl_shim, "admin", "revoked-t", 1) == []
+        _wait(lambda: poll() or refused, "alice's fetch refused")
+        assert records == [b"v0"]  # nothing after the revocation
+    finally:
+        c.close()
