@@ -199,6 +199,7 @@ def current_tls_subject() -> Any:
     auth = _AUTH.get()
     return None if auth is None else auth.tls_subject
 
+
 MAX_FRAME_BYTES = 64 << 20
 _SIZE = struct.Struct(">i")
 _PREFIX = struct.Struct(">hhi")  # api key, api version, correlation id

@@ -20,7 +20,11 @@ answered by the read loop itself, one at a time, before any later request is rea
 a connection may send only ApiVersions, SaslHandshake and SaslAuthenticate until it has
 authenticated; anything else closes it (as Kafka does). A failed authentication is answered with
 SASL_AUTHENTICATION_FAILED, then the connection is closed. Handlers see the principal through
-``codec.current_principal()``.
+``codec.current_principal()`` (and a TLS client's verified certificate subject through
+``codec.current_tls_subject()``: the ACL principal without SASL, ``authorizer.py``). KIP-368: with
+``connections_max_reauth_ms``, SaslAuthenticate v1+ answers that session lifetime; a SaslHandshake
+on an authenticated connection then starts a re-authentication (same principal, or the connection
+is closed), and any other request after the session ended closes the connection.
 """
 
 from __future__ import annotations
