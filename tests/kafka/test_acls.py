@@ -563,3 +563,40 @@ def test_read_revoked_during_a_fetch_session_stops_the_records(acl_shim):
         assert records == [b"v0"]  # nothing after the revocation
     finally:
         c.close()
+
+
+def test_raw_requests_refused_whole_or_in_part(acl_shim):
+    """Metadata v1 asking only for refused topics still names the brokers; an acks=0 produce refused
+    gets no answer and stores nothing; a produce to an allowed and a refused topic is answered for both."""
+    import datetime
+
+    from kio.schema.errors import ErrorCode
+    from kio.schema.metadata.v1 import MetadataRequest
+    from kio.schema.metadata.v1.request import MetadataRequestTopic
+    from kio.schema.produce.v9 import ProduceRequest
+    from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
+    from kio.schema.sasl_authenticate.v2 import SaslAuthenticateRequest
+    from kio.schema.sasl_handshake.v1 import SaslHandshakeRequest
+
+    from .shimproc import RawConnection, record_batch
+
+    for t in ("raw-denied", "raw-ok"):
+        _create_topic(acl_shim, t)
+    _create_acls(acl_shim, _acl(CkResourceType.TOPIC, "raw-ok", AclOperation.WRITE, "User:bob"))
+
+    def produce(acks: int, *topics: str) -> ProduceRequest:
+        return ProduceRequest(transactional_id=None, acks=acks, timeout=datetime.timedelta(seconds=10), topic_data=tuple(
+            TopicProduceData(name=t, partition_data=(PartitionProduceData(index=0, records=record_batch([b"r"])),))
+            for t in topics))
+
+    with RawConnection(acl_shim.port) as c:
+        assert c.call(SaslHandshakeRequest(mechanism="PLAIN")).error_code == ErrorCode.none
+        assert c.call(SaslAuthenticateRequest(auth_bytes=b"\0bob\0bob-pw")).error_code == ErrorCode.none
+        md = c.call(MetadataRequest(topics=(MetadataRequestTopic(name="raw-denied"),)))
+        assert md.brokers and [(t.name, t.error_code) for t in md.topics] == [
+            ("raw-denied", ErrorCode.topic_authorization_failed)]
+        c.send(produce(0, "raw-denied"))  # no answer: the next answer is the next request's
+        r = c.call(produce(-1, "raw-ok", "raw-denied"))
+        assert {t.name: t.partition_responses[0].error_code for t in r.responses} == {
+            "raw-ok": ErrorCode.none, "raw-denied": ErrorCode.topic_authorization_failed}
+    assert _end_offset(acl_shim, "raw-denied") == 0 and _end_offset(acl_shim, "raw-ok") == 1
