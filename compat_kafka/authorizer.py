@@ -308,12 +308,19 @@ async def _create_topics(az, req, resp_cls, call):
                                         replication_factor=-1, configs=None))
 
 
-async def _delete_topics(az, req, resp_cls, call):
+async def _delete_topics(az, broker, req, resp_cls, call):
     rc = nested(resp_cls, "DeletableTopicResult")
     field = "topics" if hasattr(req, "topics") else "topic_names"
-    name = (lambda t: t.name) if field == "topics" else (lambda t: t)  # noqa: E731
+    by_id: dict = {}
+    if field == "topics" and any(t.name is None for t in req.topics):  # v6 by topic id: its name decides
+        by_id = {m.topic_id: m.name for m in await broker.topics()}
+
+    def name(t):
+        return t if field == "topic_names" else t.name if t.name is not None else by_id.get(t.topic_id)
+
+    # an unknown topic id is left for the handler to answer
     return await _split(call, req, resp_cls, field, "responses",
-                        lambda t: name(t) is not None and az.allowed(TOPIC, name(t), Operation.DELETE),
+                        lambda t: name(t) is None or az.allowed(TOPIC, name(t), Operation.DELETE),
                         lambda t: build(rc, name=name(t), topic_id=getattr(t, "topic_id", None), error_code=TOPIC_DENIED,
                                         error_message="Authorization failed."))
 
@@ -527,9 +534,9 @@ GUARDS = {
     codec.API_PRODUCE: _produce,
     codec.API_FETCH: _fetch,
     codec.API_LIST_OFFSETS: _list_offsets,
-    codec.API_METADATA: None,  # needs the broker (see Broker.handle)
+    codec.API_METADATA: None,  # needs the broker (see check)
     codec.API_CREATE_TOPICS: _create_topics,
-    codec.API_DELETE_TOPICS: _delete_topics,
+    codec.API_DELETE_TOPICS: None,  # needs the broker (see check)
     codec.API_INIT_PRODUCER_ID: _init_producer_id,
     codec.API_FIND_COORDINATOR: _find_coordinator,
     codec.API_JOIN_GROUP: _group_whole(Operation.READ),
@@ -571,6 +578,8 @@ async def check(az: Authorizer, broker, req: codec.Request, resp_cls, handler):
     call = lambda body: handler(body, resp_cls)  # noqa: E731
     if req.api_key == codec.API_METADATA:
         return await _metadata(az, broker, req.body, resp_cls, call)
+    if req.api_key == codec.API_DELETE_TOPICS:
+        return await _delete_topics(az, broker, req.body, resp_cls, call)
     guard = GUARDS.get(req.api_key)
     if guard is None:
         guard = _cluster_whole(Operation.ALTER)

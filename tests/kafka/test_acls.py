@@ -600,3 +600,34 @@ def test_raw_requests_refused_whole_or_in_part(acl_shim):
         assert {t.name: t.partition_responses[0].error_code for t in r.responses} == {
             "raw-ok": ErrorCode.none, "raw-denied": ErrorCode.topic_authorization_failed}
     assert _end_offset(acl_shim, "raw-denied") == 0 and _end_offset(acl_shim, "raw-ok") == 1
+
+
+def test_delete_topics_by_id_needs_delete_on_the_named_topic(acl_shim):
+    import datetime
+
+    from kio.schema.delete_topics.v6 import DeleteTopicsRequest
+    from kio.schema.delete_topics.v6.request import DeleteTopicState
+    from kio.schema.errors import ErrorCode
+    from kio.schema.metadata.v12 import MetadataRequest
+    from kio.schema.metadata.v12.request import MetadataRequestTopic
+    from kio.schema.sasl_authenticate.v2 import SaslAuthenticateRequest
+    from kio.schema.sasl_handshake.v1 import SaslHandshakeRequest
+
+    from .shimproc import RawConnection
+
+    _create_topic(acl_shim, "raw-del")
+    _create_acls(acl_shim, _acl(CkResourceType.TOPIC, "raw-del", AclOperation.DESCRIBE, "User:bob"))
+    with RawConnection(acl_shim.port) as c:
+        assert c.call(SaslHandshakeRequest(mechanism="PLAIN")).error_code == ErrorCode.none
+        assert c.call(SaslAuthenticateRequest(auth_bytes=b"\0bob\0bob-pw")).error_code == ErrorCode.none
+        md = c.call(MetadataRequest(topics=(MetadataRequestTopic(name="raw-del", topic_id=None),),
+                                    allow_auto_topic_creation=False, include_topic_authorized_operations=False))
+        topic_id = md.topics[0].topic_id
+        delete = DeleteTopicsRequest(topics=(DeleteTopicState(name=None, topic_id=topic_id),),
+                                     timeout=datetime.timedelta(seconds=10))
+        r = c.call(delete)
+        assert [(t.name, t.error_code) for t in r.responses] == [("raw-del", ErrorCode.topic_authorization_failed)]
+        _create_acls(acl_shim, _acl(CkResourceType.TOPIC, "raw-del", AclOperation.DELETE, "User:bob"))
+        r = c.call(delete)
+        assert [(t.name, t.error_code) for t in r.responses] == [("raw-del", ErrorCode.none)]
+    assert "raw-del" not in _topics_seen(acl_shim, "admin")
