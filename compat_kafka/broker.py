@@ -38,7 +38,7 @@ from kio.schema.errors import ErrorCode
 from streams.errors import NoSuchTopic, StaleTermError, TopicExists
 from streams.topics import InvalidTopicName, TopicMeta, check_topic_name
 
-from . import codec
+from . import authorizer, codec
 from .admin import Admin, check_topic_configs, retention_policy
 from .batches import split_batches
 from .codec import ZERO_MS, build, nested
@@ -57,7 +57,7 @@ from .errors import (
 )
 from .fetch_sessions import FetchSession, FetchSessionCache, SessionError
 from .groups import GroupConfig, GroupCoordinator
-from .interbroker import InterBrokerClient, ensure_identity
+from .interbroker import BROKER_PRINCIPAL, InterBrokerClient, ensure_identity
 from .ownership import OWNERS, Ownership, coordinator_key, partition_key
 from .partition import PartitionConfig, PartitionLog
 from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
@@ -103,6 +103,9 @@ class BrokerConfig:
     # partitions being opened (claimed and taken over) at once: a first produce to a new topic
     # opens all its partitions concurrently, up to this many in flight
     max_concurrent_opens: int = 32
+    # Kafka ACLs (authorizer.py): with acls off every principal may do anything (as before)
+    acls: bool = False
+    super_users: frozenset[str] = frozenset()  # e.g. {"User:admin"}: bypass the ACLs
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     groups: GroupConfig = field(default_factory=GroupConfig)
     transactions: TxnConfig = field(default_factory=TxnConfig)
@@ -160,6 +163,10 @@ class Broker:
         self._handlers.update(self.groups.handlers())
         self._handlers.update(self.admin.handlers())
         self._handlers.update(self.txn.handlers())
+        self.authorizer = (authorizer.Authorizer(self.store, self.config.super_users | {BROKER_PRINCIPAL}) if self.config.acls
+                           else None)  # ACLs (authorizer.py)
+        self._handlers.update(authorizer.AclApis(self).handlers())
+        self._handlers.update(authorizer.ScramApis(self).handlers())
 
     def prepare(self, req: codec.Request) -> None:
         """Called as a request is read, before it is handled (requests of one connection may be
@@ -171,6 +178,8 @@ class Broker:
         if req.api_key != codec.API_PRODUCE or getattr(req.body, "acks", None) not in (-1, 0, 1):
             return
         for t in req.body.topic_data:
+            if not authorizer.may_write(self.authorizer, t.name):  # refused: opened for nobody
+                continue
             for p in t.partition_data:
                 plog = self._logs.get((t.name, p.index))
                 if plog is not None and plog.usable and plog.writable:
@@ -181,6 +190,8 @@ class Broker:
     async def handle(self, req: codec.Request) -> Any:
         resp_cls = _response_schema(req.api_key, req.api_version)
         codec.set_client_id(req.client_id)
+        if self.authorizer is not None:
+            return await authorizer.check(self.authorizer, self, req, resp_cls, self._handlers[req.api_key])
         return await self._handlers[req.api_key](req.body, resp_cls)
 
     # ---------------------------------------------------------------- ownership (several shims)
@@ -196,6 +207,8 @@ class Broker:
         self.ownership.endpoints = tuple((name, self.config.host, p) for name, p in listeners)
         if any(name.startswith("SASL_") for name, _p in listeners):
             await ensure_identity(self.store)  # other listeners call this one as the broker user
+        if self.authorizer is not None:
+            await self.authorizer.start()
         await self.ownership.start()
         self.txn.start()
 
@@ -227,6 +240,8 @@ class Broker:
             await p.close()
         await self.txn.close()
         await self.groups.close()
+        if self.authorizer is not None:
+            await self.authorizer.close()
         await self.ownership.close()
 
     # ---------------------------------------------------------------- topics and partitions

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from collections.abc import Callable
 import click
 
 from . import sasl
+from .acl_cli import acl_command
+from .acls import parse_super_users
 from .broker import Broker, BrokerConfig
 from .group_cli import groups_command
 from .server import KafkaServer, ListenerConfig, ServerConfig, TlsConfig
@@ -108,13 +111,17 @@ async def _point_metrics(metrics, server: KafkaServer) -> None:
 @click.option("--inter-broker-ca", default=None, type=click.Path(dir_okay=False),
               help="PEM CA that issued the other listeners' certificates, to call them over SSL (transaction "
                    "markers) when they have no PLAINTEXT listener [default: --ssl-client-ca]")
+@click.option("--acls", is_flag=True, help="enforce Kafka ACLs (CreateAcls/DeleteAcls; without any, only super users)")
+@click.option("--super-users", default="", help="principals that bypass the ACLs, e.g. 'User:admin;User:ops'")
+@click.option("--connections-max-reauth-ms", default=0, show_default=True, type=click.IntRange(0),
+              help="KIP-368: SASL sessions last this long; a connection not re-authenticated is closed (0: off)")
 @click.pass_context
 def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port: int, advertised_host: str,
                   node_id: int | None, lease_ttl: float, test_drop_produce_response_every: int,
                   default_partitions: int, no_auto_create: bool, max_frame_bytes: int, metrics_port: int | None,
                   metrics_host: str, no_fetch_sessions: bool, ssl_cert: str | None, ssl_key: str | None,
                   ssl_client_ca: str | None, ssl_client_auth: str, sasl_mechanisms: str | None,
-                  listeners: tuple[str, ...], inter_broker_ca: str | None) -> None:
+                  listeners: tuple[str, ...], inter_broker_ca: str | None, **security_options) -> None:
     """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams.
 
     \b
@@ -153,6 +160,7 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
                                      drop_produce_response_every=test_drop_produce_response_every,
                                      fetch_sessions=not no_fetch_sessions,
                                      inter_broker_ca=inter_broker_ca or ssl_client_ca)
+        server_config, broker_config = _with_security(server_config, broker_config, **security_options)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     metrics = None
@@ -173,6 +181,18 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
 
 
 kafka_command.add_command(groups_command, "groups")
+
+
+def _with_security(server_config: ServerConfig, broker_config: BrokerConfig, acls: bool, super_users: str,
+                   connections_max_reauth_ms: int) -> tuple[ServerConfig, BrokerConfig]:
+    """The ACL and re-authentication options applied to the configs (ValueError when invalid)."""
+    users = parse_super_users(super_users)
+    if users and not acls:
+        raise ValueError("--super-users needs --acls")
+    if connections_max_reauth_ms and not server_config.sasl_mechanisms:
+        raise ValueError("--connections-max-reauth-ms needs --sasl-mechanisms")
+    return (dataclasses.replace(server_config, connections_max_reauth_ms=connections_max_reauth_ms),
+            dataclasses.replace(broker_config, acls=acls, super_users=users))
 
 
 # ---------------------------------------------------------------- scroll kafka user
@@ -235,3 +255,4 @@ def user_list(metadata_url: str) -> None:
 
 
 kafka_command.add_command(user_command, "user")
+kafka_command.add_command(acl_command, "acl")

@@ -68,6 +68,11 @@ API_WRITE_TXN_MARKERS = 27
 API_TXN_OFFSET_COMMIT = 28
 API_DESCRIBE_TRANSACTIONS = 65
 API_LIST_TRANSACTIONS = 66
+API_DESCRIBE_ACLS = 29
+API_CREATE_ACLS = 30
+API_DELETE_ACLS = 31
+API_DESCRIBE_USER_SCRAM_CREDENTIALS = 50
+API_ALTER_USER_SCRAM_CREDENTIALS = 51
 
 # The versions we serve, per api key (checked against kcat/librdkafka 2.0, confluent-kafka 2.16,
 # aiokafka 0.14 and kafka-python 3.0; bounded below/above by the kio 0.6.5 schemas: OffsetCommit
@@ -114,6 +119,12 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     API_TXN_OFFSET_COMMIT: (0, 3),
     API_DESCRIBE_TRANSACTIONS: (0, 0),
     API_LIST_TRANSACTIONS: (0, 2),
+    # ACLs and SCRAM credentials (authorizer.py)
+    API_DESCRIBE_ACLS: (1, 3),
+    API_CREATE_ACLS: (1, 3),
+    API_DELETE_ACLS: (1, 3),
+    API_DESCRIBE_USER_SCRAM_CREDENTIALS: (0, 0),
+    API_ALTER_USER_SCRAM_CREDENTIALS: (0, 0),
 }
 
 # The client id of the request being handled (set by ``Broker.handle``; each request runs in its
@@ -181,6 +192,8 @@ def current_listener() -> str | None:
 @dataclass
 class ConnectionAuth:
     principal: str | None = None
+    tls_subject: Any = None  # the verified TLS client certificate's subject (ssl getpeercert form), if any
+    expires_at: float | None = None  # KIP-368: loop time the SASL session ends (None: never)
 
 
 _AUTH: contextvars.ContextVar[ConnectionAuth | None] = contextvars.ContextVar("kafka_connection_auth", default=None)
@@ -193,6 +206,12 @@ def set_connection_auth(auth: ConnectionAuth) -> None:
 def current_principal() -> str | None:
     auth = _AUTH.get()
     return None if auth is None else auth.principal
+
+
+def current_tls_subject() -> Any:
+    auth = _AUTH.get()
+    return None if auth is None else auth.tls_subject
+
 
 MAX_FRAME_BYTES = 64 << 20
 _SIZE = struct.Struct(">i")

@@ -3,7 +3,8 @@
 How this works. A transaction coordinator writes its markers into partitions another listener owns
 by sending that listener a WriteTxnMarkers request, as Kafka brokers do over their inter-broker
 listener. Each listener registers every endpoint it serves (``BrokerInfo.endpoints``); a call goes
-to the least encumbered one: PLAINTEXT, then SASL_PLAINTEXT, then SSL, then SASL_SSL. Over TLS the
+to an authenticated one first (SASL_PLAINTEXT, then SASL_SSL: the broker identity passes ACLs),
+then PLAINTEXT, then SSL; TLS ones only when ``inter_broker_ca`` is known. Over TLS the
 other listener's certificate is checked against ``inter_broker_ca`` (the CA that issued the
 listeners' certificates); there is no unverified TLS. Over SASL the caller authenticates as the
 reserved user ``__scroll_broker`` (SCRAM-SHA-256/512 or PLAIN, whichever the other listener offers),
@@ -28,7 +29,7 @@ from .ownership import BrokerInfo
 BROKER_USER = "__scroll_broker"
 BROKER_PRINCIPAL = f"User:{BROKER_USER}"
 SECRET_KEY = "kafka/internal/broker-secret"
-_ORDER = ("PLAINTEXT", "SASL_PLAINTEXT", "SSL", "SASL_SSL")
+_ORDER = ("SASL_PLAINTEXT", "SASL_SSL", "PLAINTEXT", "SSL")
 _SIZE = struct.Struct(">i")
 
 
@@ -48,11 +49,13 @@ async def ensure_identity(store) -> str:
     return secret
 
 
-def endpoint_for_calls(info: BrokerInfo) -> tuple[str, str, int]:
-    """(protocol, host, port) of the endpoint another listener is called on."""
+def endpoint_for_calls(info: BrokerInfo, tls_ok: bool = True) -> tuple[str, str, int]:
+    """(protocol, host, port) of the endpoint another listener is called on: an authenticated one
+    first (the broker identity passes ACLs), then plaintext; TLS ones only with a CA to check them."""
     if not info.endpoints:  # registered by a listener without named endpoints: plaintext
         return "PLAINTEXT", info.host, info.port
-    return min(info.endpoints, key=lambda e: _ORDER.index(e[0]) if e[0] in _ORDER else len(_ORDER))
+    usable = [e for e in info.endpoints if e[0] in _ORDER and (tls_ok or not e[0].endswith("SSL"))]
+    return min(usable or info.endpoints, key=lambda e: _ORDER.index(e[0]) if e[0] in _ORDER else len(_ORDER))
 
 
 class InterBrokerClient:
@@ -80,7 +83,7 @@ class InterBrokerClient:
 
     async def call(self, info: BrokerInfo, body, timeout_s: float):
         """The response to ``body`` from the listener ``info``."""
-        return await asyncio.wait_for(self._call(*endpoint_for_calls(info), body), timeout_s)
+        return await asyncio.wait_for(self._call(*endpoint_for_calls(info, self.ca_file is not None), body), timeout_s)
 
     async def _call(self, protocol: str, host: str, port: int, body):
         mechanism = self._mechanism.get((host, port), "SCRAM-SHA-256")

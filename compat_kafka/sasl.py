@@ -90,6 +90,16 @@ def make_credential(mechanism: str, password: str, iterations: int = DEFAULT_ITE
     return ScramCredential(salt, stored_key, server_key, i)
 
 
+def credential_from_salted(mechanism: str, salted_password: bytes, salt: bytes, iterations: int) -> ScramCredential:
+    """The stored credential for a salted password made by the client (AlterUserScramCredentials):
+    RFC 5802's StoredKey = H(HMAC(SaltedPassword, "Client Key")), ServerKey = HMAC(SaltedPassword,
+    "Server Key"); scramp has no public helper from a salted password."""
+    hf = {"SCRAM-SHA-256": hashlib.sha256, "SCRAM-SHA-512": hashlib.sha512}[mechanism]
+    client_key = hmac.new(salted_password, b"Client Key", hf).digest()
+    server_key = hmac.new(salted_password, b"Server Key", hf).digest()
+    return ScramCredential(salt, hf(client_key).digest(), server_key, iterations)
+
+
 def fake_credential(user: str) -> ScramCredential:
     """What an unknown user is checked against: same cost, never matches."""
     salt = hmac.new(_FAKE_SALT_KEY, user.encode(), hashlib.sha256).digest()[:16]

@@ -20,13 +20,18 @@ answered by the read loop itself, one at a time, before any later request is rea
 a connection may send only ApiVersions, SaslHandshake and SaslAuthenticate until it has
 authenticated; anything else closes it (as Kafka does). A failed authentication is answered with
 SASL_AUTHENTICATION_FAILED, then the connection is closed. Handlers see the principal through
-``codec.current_principal()``.
+``codec.current_principal()`` (and a TLS client's verified certificate subject through
+``codec.current_tls_subject()``: the ACL principal without SASL, ``authorizer.py``). KIP-368: with
+``connections_max_reauth_ms``, SaslAuthenticate v1+ answers that session lifetime; a SaslHandshake
+on an authenticated connection then starts a re-authentication (same principal, or the connection
+is closed), and any other request after the session ended closes the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
 import logging
 import ssl
@@ -136,6 +141,9 @@ class ServerConfig:
     sasl_mechanisms: tuple[str, ...] = ()  # e.g. ("PLAIN", "SCRAM-SHA-256"); empty: no SASL
     # several listeners (PLAINTEXT beside SASL_SSL, say); empty: one, from host/port/tls/sasl_mechanisms
     listeners: tuple[ListenerConfig, ...] = ()
+    # KIP-368: a SASL session (SaslAuthenticate v1+) lasts this long; a request after it ended that
+    # is not a re-authentication closes the connection. 0: sessions never end
+    connections_max_reauth_ms: int = 0
 
     def __post_init__(self):
         if self.max_frame_bytes < 1024 or self.max_inflight_requests < 1 or self.max_connections < 1:
@@ -147,6 +155,8 @@ class ServerConfig:
         names = [li.name for li in self.listeners]
         if len(set(names)) != len(names):
             raise ValueError(f"one listener per security protocol, got {', '.join(names)}")
+        if self.connections_max_reauth_ms < 0:
+            raise ValueError("connections_max_reauth_ms must be 0 (off) or positive")
 
 
 class KafkaServer:
@@ -222,6 +232,10 @@ class KafkaServer:
             return
         self._conns.add(task)
         auth = codec.ConnectionAuth()
+        ssl_object = writer.get_extra_info("ssl_object")
+        if ssl_object is not None:  # a verified client certificate names the principal (without SASL)
+            with contextlib.suppress(Exception):
+                auth.tls_subject = (ssl_object.getpeercert() or {}).get("subject") or None
         codec.set_connection_auth(auth)  # before the dispatcher starts: its request tasks inherit it
         requests: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # read, not started
         queue: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # started, answers in order
@@ -271,6 +285,10 @@ class KafkaServer:
                     raise
                 await requests.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
                 continue
+            if (auth.expires_at is not None and asyncio.get_running_loop().time() >= auth.expires_at
+                    and req.api_key not in (codec.API_SASL_HANDSHAKE, codec.API_SASL_AUTHENTICATE)):
+                raise ProtocolError(f"api key {req.api_key} after the SASL session of {auth.principal} expired "
+                                    f"(not re-authenticated, KIP-368)")
             if req.api_key in (codec.API_SASL_HANDSHAKE, codec.API_SASL_AUTHENTICATE):
                 body, close = await self._sasl(listener, req, auth, session, peer)
                 await requests.put(_done(codec.encode_response(req.correlation_id, body)))
@@ -288,13 +306,16 @@ class KafkaServer:
         resp_cls = codec.response_schema(req.api_key, req.api_version)
         mechs = listener.sasl_mechanisms
         if req.api_key == codec.API_SASL_HANDSHAKE:
-            if auth.principal is not None or session:
+            # KIP-368: a connection authenticated with an ending session may authenticate again
+            reauth = auth.principal is not None and auth.expires_at is not None
+            if (auth.principal is not None and not reauth) or (session and not reauth):
                 return codec.build(resp_cls, error_code=ErrorCode.illegal_sasl_state, mechanisms=mechs), True
             if req.body.mechanism not in mechs:
                 return codec.build(resp_cls, error_code=ErrorCode.unsupported_sasl_mechanism, mechanisms=mechs), True
+            session.clear()
             session.append(sasl.SaslSession(self.broker.store, req.body.mechanism))
             return codec.build(resp_cls, error_code=ErrorCode.none, mechanisms=mechs), False
-        if not session or auth.principal is not None:
+        if not session or session[0].principal is not None:
             return codec.build(resp_cls, error_code=ErrorCode.illegal_sasl_state, auth_bytes=b"",
                                error_message="SaslAuthenticate without a SaslHandshake"), True
         try:
@@ -308,10 +329,23 @@ class KafkaServer:
             log.exception("SASL authentication from %s could not be checked", peer)
             return codec.build(resp_cls, error_code=ErrorCode.sasl_authentication_failed, auth_bytes=b"",
                                error_message="Authentication could not be checked (server error)"), True
+        lifetime_ms = 0
         if session[0].principal is not None:
+            if auth.principal is not None and session[0].principal != auth.principal:
+                log.warning("SASL re-authentication from %s as %s, not %s: closing", peer, session[0].principal,
+                            auth.principal)
+                return codec.build(resp_cls, error_code=ErrorCode.sasl_authentication_failed, auth_bytes=b"",
+                                   error_message="Cannot change principals during re-authentication"), True
+            again = auth.principal is not None
             auth.principal = session[0].principal
-            log.info("SASL %s: %s authenticated from %s", session[0].mechanism, auth.principal, peer)
-        return codec.build(resp_cls, error_code=ErrorCode.none, error_message=None, auth_bytes=token), False
+            reauth_ms = self.config.connections_max_reauth_ms
+            if reauth_ms and req.api_version >= 1:  # v0 clients cannot be told: their sessions never end
+                lifetime_ms = reauth_ms
+                auth.expires_at = asyncio.get_running_loop().time() + reauth_ms / 1000
+            log.info("SASL %s: %s %sauthenticated from %s", session[0].mechanism, auth.principal,
+                     "re-" if again else "", peer)
+        return codec.build(resp_cls, error_code=ErrorCode.none, error_message=None, auth_bytes=token,
+                           session_lifetime=datetime.timedelta(milliseconds=lifetime_ms)), False
 
     async def _dispatch_loop(self, requests: asyncio.Queue, queue: asyncio.Queue) -> None:
         """Start the requests read, in order, each once the previous one has taken effect."""
