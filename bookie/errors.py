@@ -27,6 +27,7 @@ class Status(enum.IntEnum):
     SHUTTING_DOWN = 11
     STORAGE_ERROR = 12  # journal or entry-log IO failed
     INTERNAL = 13
+    UNAUTHENTICATED = 14  # the bookie requires authentication: no, or a wrong, token or client certificate
 
 
 class BookieError(Exception):
@@ -102,6 +103,14 @@ class InternalError(BookieError):
     retriable = True
 
 
+class BookieAuthError(BookieError):
+    """The bookie refused the caller: no or a wrong token, no or an untrusted client certificate,
+    or a TLS handshake that failed. Not retriable: the credentials must change first."""
+
+    status = Status.UNAUTHENTICATED
+    retriable = False
+
+
 class BookieUnavailableError(BookieError):
     """Client side: the connection to the bookie failed or timed out."""
 
@@ -125,6 +134,7 @@ ERRORS: dict[Status, type[BookieError]] = {
         ShuttingDownError,
         StorageError,
         InternalError,
+        BookieAuthError,
     )
 }
 
