@@ -4,6 +4,12 @@ Used by ``scroll standalone`` and by the end-to-end tests. Every process it star
 ``stop()`` (SIGTERM, then SIGKILL after a grace period). Data lives under one directory:
 ``<dir>/etcd`` and ``<dir>/bookie-<i>``; starting again on the same directory keeps the data.
 Bookies keep their id and port across restarts, so the fragments that name them still find them.
+
+``secure_bookies`` starts the bookies secured: ``"token"`` (or True) puts both their ports on TLS
+and requires a token; ``"mtls"`` also requires client certificates. The CA (``bookie_ca``, a
+``trustme.CA``, or one made here), the bookies' certificate, a client certificate and the token
+file are written under ``<dir>/security`` (kept across restarts); ``client_security`` is the
+``ClientSecurity`` a client passes to ``streams.connect(..., security=...)``.
 """
 
 from __future__ import annotations
@@ -123,7 +129,8 @@ class Proc:
 class LocalCluster:
     def __init__(self, data_dir: str | Path, bookies: int = 3, *, etcd_port: int | None = None,
                  bookie_ports: list[int] | None = None, python: str | None = None, bookie_args: list[str] | None = None,
-                 etcd_peer_port: int | None = None, bookie_metrics_ports: list[int] | None = None):
+                 etcd_peer_port: int | None = None, bookie_metrics_ports: list[int] | None = None,
+                 secure_bookies: bool | str = False, bookie_ca=None):
         self.dir = Path(data_dir).resolve()
         self.n = bookies
         self.python = python or sys.executable
@@ -134,6 +141,13 @@ class LocalCluster:
         self.bookie_args = bookie_args or []
         self.etcd: Proc | None = None
         self.bookies: list[Proc] = []
+        mode = "token" if secure_bookies is True else (secure_bookies or None)
+        if mode not in (None, "token", "mtls"):
+            raise ValueError(f"secure_bookies must be False, True, 'token' or 'mtls', not {secure_bookies!r}")
+        self.secure_bookies = mode
+        self.bookie_ca = bookie_ca
+        self._client_security = None
+        self._security_args: list[str] | None = None
 
     @property
     def metadata_url(self) -> str:
@@ -170,10 +184,33 @@ class LocalCluster:
         d = self.dir / f"bookie-{i}"
         args = [self.python, "-m", "streams.tools.cli", "bookie", "--data-dir", str(d), "--port", str(port),
                 "--bookie-id", f"bookie-{i}", "--metadata", self.metadata_url, "--log-level", "WARNING",
-                *self.bookie_args]
+                *self._bookie_security_args(), *self.bookie_args]
         if self.bookie_metrics_ports:
             args += ["--metrics-port", str(self.bookie_metrics_ports[i])]
         return Proc(f"bookie-{i}", args, port, d / "bookie.log")
+
+    def _bookie_security_args(self) -> list[str]:
+        """The secured bookies' flags (none unless ``secure_bookies``); writes the files once."""
+        if self.secure_bookies is None:
+            return []
+        if self._security_args is None:
+            from fragments.security import ClientSecurity
+
+            f = write_bookie_security_files(self.dir / "security", self.bookie_ca)
+            args = ["--tls-cert", f["bookie_cert"], "--tls-key", f["bookie_key"], "--auth-token-file", f["tokens"]]
+            client = {"tls_ca": f["ca"], "token": Path(f["token"]).read_text().strip()}
+            if self.secure_bookies == "mtls":
+                args += ["--tls-client-ca", f["ca"], "--tls-client-auth", "required"]
+                client.update(tls_cert=f["client_cert"], tls_key=f["client_key"])
+            self._security_args = args
+            self._client_security = ClientSecurity(**client)
+        return self._security_args
+
+    @property
+    def client_security(self):
+        """The ``ClientSecurity`` for this cluster's bookies (None unless ``secure_bookies``)."""
+        self._bookie_security_args()
+        return self._client_security
 
     def start_bookie(self, i: int, wait: bool = True, timeout_s: float = 30.0) -> None:
         env = dict(os.environ)
@@ -209,3 +246,34 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def write_bookie_security_files(d: Path, ca=None) -> dict[str, str]:
+    """A CA (``ca``, a ``trustme.CA``, or a new one), a bookie certificate for 127.0.0.1 and
+    localhost, a client certificate and a token file (mode 600) under ``d``; files already there
+    are kept (a restarted cluster keeps its credentials). Returns their paths by name."""
+    d.mkdir(parents=True, exist_ok=True)
+    names = {"ca": "ca.pem", "bookie_cert": "bookie.pem", "bookie_key": "bookie.key", "client_cert": "client.pem",
+             "client_key": "client.key", "token": "token", "tokens": "tokens"}
+    paths = {k: str(d / v) for k, v in names.items()}
+    if not all(Path(p).is_file() for p in paths.values()):
+        import secrets
+
+        import trustme
+
+        ca = ca or trustme.CA()
+        ca.cert_pem.write_to_path(paths["ca"])
+        server = ca.issue_cert("127.0.0.1", "localhost")
+        server.private_key_and_cert_chain_pem.write_to_path(paths["bookie_cert"])
+        server.private_key_pem.write_to_path(paths["bookie_key"])
+        client = ca.issue_cert("scroll-client")
+        client.cert_chain_pems[0].write_to_path(paths["client_cert"])
+        client.private_key_pem.write_to_path(paths["client_key"])
+        token = secrets.token_urlsafe(32)
+        for name, text in (("token", token), ("tokens", f"# accepted bookie tokens\n{token}\n")):
+            fd = os.open(paths[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text + ("\n" if name == "token" else ""))
+        for name in ("bookie_key", "client_key"):
+            os.chmod(paths[name], 0o600)
+    return paths
