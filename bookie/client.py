@@ -861,7 +861,45 @@ class BookieClient:
                 raise TooLargeError(_describe(exc)) from exc
             if _refused(exc):
                 raise BookieAuthError(f"bookie {self.bookie} refused this client: {_describe(exc)}") from exc
+            reason = await self._diagnose() if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+            if reason is not None:
+                raise BookieAuthError(f"bookie {self.bookie} refused this client: {reason}") from exc
             raise BookieUnavailableError(f"bookie {self.bookie}: {_describe(exc)}") from exc
+
+    async def _diagnose(self, timeout_s: float = 1.0) -> str | None:
+        """After gRPC could not set up a channel: whether TLS is why. gRPC only says "Socket
+        closed" when the bookie refused our certificate (TLS 1.3 refuses after the handshake) or
+        when one side speaks TLS and the other does not; one TLS connection of our own tells which,
+        with OpenSSL's reason. None: not a TLS problem (the bookie is down, slow, ...)."""
+        host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")
+        ctx = self.security.ssl_context()
+        if ctx is None:  # are we talking plaintext to a TLS bookie?
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols(["h2"])
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, int(port), ssl=ctx, server_hostname=host), timeout_s)
+        except ssl.SSLError as exc:
+            return f"TLS handshake failed: {exc.reason or exc}" if self.security.tls else None
+        except (OSError, TimeoutError):
+            return None
+        try:
+            if not self.security.tls:
+                return "the bookie speaks TLS and this client does not: pass tls.ca (--tls-ca)"
+            try:
+                first = await asyncio.wait_for(reader.read(1), timeout_s)
+            except ssl.SSLError as exc:
+                return f"the bookie refused this client's TLS: {exc.reason or exc}"
+            except (OSError, TimeoutError):
+                return None
+            return "the bookie closed the TLS connection (does it require a client certificate?)" if not first else None
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
     def _log_rpc_error(self, exc: grpc.aio.AioRpcError, fmt: str, *args) -> None:
         if _refused(exc):
