@@ -895,11 +895,12 @@ class BookieClient:
                 return f"the bookie refused this client's TLS: {exc.reason or exc}"
             except (OSError, TimeoutError):
                 return None
-            return "the bookie closed the TLS connection (does it require a client certificate?)" if not first else None
+            if first:
+                return None
+            return ("the bookie closed the TLS connection after the handshake: it requires a client certificate "
+                    "it trusts (none given, from another CA, or expired?)")
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            writer.transport.abort()  # no TLS close_notify exchange: a gRPC server may never answer it
 
     def _log_rpc_error(self, exc: grpc.aio.AioRpcError, fmt: str, *args) -> None:
         if _refused(exc):
