@@ -459,4 +459,53 @@ def test_streams_end_to_end_on_a_secured_cluster(tmp_path, mode) -> None:
         run(scenario(), timeout=120)
         with sync_connect(cluster.metadata_url, security=sec) as client:
             assert client.consumer("secure", start="earliest").read(10, timeout_s=5)
+        if mode == "token":  # the scroll CLI's global options
+            from click.testing import CliRunner
 
+            from streams.tools.cli import main
+
+            token_file = str(cluster.dir / "security" / "token")
+            ok = CliRunner().invoke(main, ["--tls-ca", sec.tls_ca, "--token-file", token_file, "stream", "list",
+                                           "--metadata", cluster.metadata_url, "--json"])
+            assert ok.exit_code == 0 and "secure" in ok.output, ok.output
+            env = {"SCROLL_TLS_CA": sec.tls_ca, "SCROLL_TOKEN_FILE": token_file}
+            ok = CliRunner(env=env).invoke(main, ["stream", "list", "--metadata", cluster.metadata_url, "--json"])
+            assert ok.exit_code == 0 and "secure" in ok.output, ok.output
+            refused = CliRunner().invoke(main, ["--tls-ca", sec.tls_ca, "stream", "list", "--metadata",
+                                                cluster.metadata_url])
+            assert refused.exit_code != 0 and "requires authentication" in refused.output, refused.output
+
+
+
+def test_requested_client_certificates_authenticate_the_data_port(tmp_path, pki) -> None:
+    """``--tls-client-auth requested``: a verified certificate authenticates a data connection
+    without a token; without either the connection is refused (gRPC needs the token: grpc-python
+    cannot ask for a certificate without requiring one)."""
+    from bookie.server import BookieServer
+
+    from .helpers import small_config
+
+    async def scenario() -> None:
+        sec = BookieSecurity(tls_cert=pki["server.pem"], tls_key=pki["server.key"], client_ca=pki["ca.pem"],
+                             client_auth="requested", token_file=pki["tokens"])
+        server = BookieServer(small_config(tmp_path / "b"), security=sec)
+        await server.start()
+        try:
+            data = f"127.0.0.1:{server.data_port}"
+            with_token = ClientSecurity(tls_ca=pki["ca.pem"], token=TOKEN)
+            cert = ClientSecurity(tls_ca=pki["ca.pem"], tls_cert=pki["client.pem"], tls_key=pki["client.key"])
+            async with BookieClient(server.address, security=with_token) as c:
+                assert isinstance(await c.fence(5, 1), FenceOk)
+                assert isinstance(await c.add(AddRequest(5, 0, 1, -1, -1, b"x", truncate=True)), AddOk)
+            async with BookieClient(server.address, security=cert, data_address=data) as c:
+                assert (await c.read(5, 0)).entries[0].data == b"x"
+                with pytest.raises(BookieAuthError, match="requires authentication"):
+                    await c.info()
+            async with BookieClient(server.address, security=ClientSecurity(tls_ca=pki["ca.pem"]),
+                                    data_address=data) as c:
+                with pytest.raises(BookieAuthError, match="requires authentication"):
+                    await c.read(5, 0)
+        finally:
+            await server.stop()
+
+    run(scenario())
