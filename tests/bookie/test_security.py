@@ -7,6 +7,7 @@ over TLS, and ledger passwords are still needed."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 import socket
@@ -505,6 +506,34 @@ def test_requested_client_certificates_authenticate_the_data_port(tmp_path, pki)
                                     data_address=data) as c:
                 with pytest.raises(BookieAuthError, match="requires authentication"):
                     await c.read(5, 0)
+        finally:
+            await server.stop()
+
+    run(scenario())
+
+
+def test_a_silent_unauthenticated_connection_is_closed(tmp_path, pki, monkeypatch) -> None:
+    """A connection that never authenticates is refused after PREAUTH_TIMEOUT_S (here shortened)."""
+    from bookie import dataplane
+    from bookie.server import BookieServer
+
+    from .helpers import small_config
+
+    monkeypatch.setattr(dataplane, "PREAUTH_TIMEOUT_S", 0.2)
+
+    async def scenario() -> None:
+        sec = BookieSecurity(tls_cert=pki["server.pem"], tls_key=pki["server.key"], token_file=pki["tokens"])
+        server = BookieServer(small_config(tmp_path / "b"), security=sec)
+        await server.start()
+        try:
+            ctx = ClientSecurity(tls_ca=pki["ca.pem"]).ssl_context()
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.data_port, ssl=ctx,
+                                                           server_hostname="127.0.0.1")
+            got = await asyncio.wait_for(reader.read(), 10)  # until the bookie closes
+            writer.transport.abort()
+            frames = wire.FrameReader().feed(got)
+            assert _refusal(frames) == (0, Status.UNAUTHENTICATED, AUTH_REQUIRED_MESSAGE)
+            assert all(c.closed for c in server.data.connections)  # refused (connection_lost may lag)
         finally:
             await server.stop()
 
