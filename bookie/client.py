@@ -220,9 +220,13 @@ class _DataConnection(asyncio.Protocol):
             self.fail("connection attempt cancelled", quiet=True)
             raise
         except BookieAuthError as exc:
-            self.fail(exc.message, auth=True)
+            self.fail(exc.message, auth=True, definite=exc.definite)
         except ssl.SSLError as exc:
-            self.fail(f"TLS handshake with the data port failed: {exc}", auth=True)
+            if _tls_refusal(exc):
+                self.fail(f"TLS handshake with the data port failed: {exc}", auth=True, definite=False)
+            else:
+                self.client._forget_data_address()
+                self.fail(f"cannot connect to the data port: {_describe(exc)}")
         except Exception as exc:  # noqa: BLE001 - any failure: every waiting request fails
             self.client._forget_data_address()
             self.fail(f"cannot connect to the data port: {_describe(exc)}")
@@ -246,8 +250,8 @@ class _DataConnection(asyncio.Protocol):
         self._pump()
 
     def connection_lost(self, exc) -> None:
-        if isinstance(exc, ssl.SSLError):
-            self.fail(f"TLS with the data port failed: {exc}", auth=True)
+        if isinstance(exc, ssl.SSLError) and _tls_refusal(exc):
+            self.fail(f"TLS with the data port failed: {exc}", auth=True, definite=False)
             return
         self.fail(f"data connection lost: {exc!r}" if exc else "data connection closed by the bookie")
 
@@ -401,7 +405,7 @@ class _DataConnection(asyncio.Protocol):
         if self.adds or self.calls:
             self._arm()
 
-    def fail(self, reason: str, quiet: bool = False, auth: bool = False) -> None:
+    def fail(self, reason: str, quiet: bool = False, auth: bool = False, definite: bool = True) -> None:
         """Every request not yet answered fails; the client opens a new connection next time.
         ``auth``: the bookie refused our credentials (requests fail with ``BookieAuthError`` and
         adds with UNAUTHENTICATED, so nobody retries them as if the bookie were down)."""
@@ -423,7 +427,9 @@ class _DataConnection(asyncio.Protocol):
                 _settle(w, AddResults(k, [code] * k, [-1] * k, reason), False)
 
         def error() -> BookieError:
-            return BookieAuthError(reason) if auth else BookieUnavailableError(f"bookie {self.client.bookie}: {reason}")
+            if auth:
+                return BookieAuthError(reason, definite=definite)
+            return BookieUnavailableError(f"bookie {self.client.bookie}: {reason}")
 
         calls, self.calls = list(self.calls.values()), {}
         for call in calls:
@@ -472,6 +478,15 @@ def _refused(exc: grpc.aio.AioRpcError) -> bool:
         return True
     details = (exc.details() or "").lower()
     return exc.code() == grpc.StatusCode.UNAVAILABLE and "handshake" in details
+
+
+def _tls_refusal(exc: ssl.SSLError) -> bool:
+    """A TLS failure that says something about credentials (a certificate that does not verify, an
+    alert from the bookie, TLS against plaintext), not an EOF of a bookie that went away."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return True
+    reason = (exc.reason or "").upper()
+    return "ALERT" in reason or "CERTIFICATE" in reason or "WRONG_VERSION" in reason or "RECORD_LAYER" in reason
 
 
 def _describe(exc: BaseException) -> str:
@@ -860,10 +875,12 @@ class BookieClient:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise TooLargeError(_describe(exc)) from exc
             if _refused(exc):
-                raise BookieAuthError(f"bookie {self.bookie} refused this client: {_describe(exc)}") from exc
+                raise BookieAuthError(f"bookie {self.bookie} refused this client: {_describe(exc)}",
+                                      definite=exc.code() == grpc.StatusCode.UNAUTHENTICATED) from exc
             reason = await self._diagnose() if exc.code() == grpc.StatusCode.UNAVAILABLE else None
             if reason is not None:
-                raise BookieAuthError(f"bookie {self.bookie} refused this client: {reason}") from exc
+                # inferred from one TLS connection of our own: a bookie stopping right then looks alike
+                raise BookieAuthError(f"bookie {self.bookie} refused this client: {reason}", definite=False) from exc
             raise BookieUnavailableError(f"bookie {self.bookie}: {_describe(exc)}") from exc
 
     async def _diagnose(self, timeout_s: float = 1.0) -> str | None:

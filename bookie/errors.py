@@ -110,6 +110,12 @@ class BookieAuthError(BookieError):
     status = Status.UNAUTHENTICATED
     retriable = False
 
+    def __init__(self, message: str = "", definite: bool = True) -> None:
+        super().__init__(message)
+        # False: the client inferred it (a TLS connection closed right after its handshake), which a
+        # bookie that was stopping at that moment can also cause; True: the bookie said so
+        self.definite = definite
+
 
 class BookieUnavailableError(BookieError):
     """Client side: the connection to the bookie failed or timed out."""

@@ -401,7 +401,7 @@ class Consumer:
                 else:
                     r = await client.read_lac(self.meta.ledger_id, after, wait)
             except BookieError as exc:
-                if isinstance(exc, BookieAuthError):
+                if isinstance(exc, BookieAuthError) and exc.definite:
                     raise AuthenticationFailed(str(exc)) from exc
                 log.debug("stream=%s LAC read from %s failed: %s", self.name, b, exc)
                 continue
@@ -521,7 +521,7 @@ class Consumer:
             r: ReadResult = await client.read(self.meta.ledger_id, first, last, max_entries=self.max_read_entries,
                                               max_bytes=self.max_read_bytes)
         except BookieError as exc:
-            if isinstance(exc, BookieAuthError):
+            if isinstance(exc, BookieAuthError) and exc.definite:  # the bookie said so: retrying cannot help
                 raise AuthenticationFailed(str(exc)) from exc
             log.debug("stream=%s read %s..%s from %s failed: %s", self.name, first, last, bookie, exc)
             return []
