@@ -877,7 +877,10 @@ class BookieClient:
             if _refused(exc):
                 raise BookieAuthError(f"bookie {self.bookie} refused this client: {_describe(exc)}",
                                       definite=exc.code() == grpc.StatusCode.UNAUTHENTICATED) from exc
-            reason = await self._diagnose() if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+            # gRPC's only word for a TLS mismatch or a refused client certificate: "Socket closed" (a
+            # bookie that is down says "Connection refused" and is not probed)
+            closed = exc.code() == grpc.StatusCode.UNAVAILABLE and "socket closed" in (exc.details() or "").lower()
+            reason = await self._diagnose() if closed else None
             if reason is not None:
                 # inferred from one TLS connection of our own: a bookie stopping right then looks alike
                 raise BookieAuthError(f"bookie {self.bookie} refused this client: {reason}", definite=False) from exc

@@ -358,6 +358,8 @@ def test_client_without_valid_credentials_does_nothing_on_a_token_bookie(token_b
                 "plaintext": "the bookie speaks TLS and this client does not"}[case]
     for name in ("info", "read", "trim", "read_lac"):
         assert expected in str(got[name]) and f"bookie {token_bookie.address} refused this client" in str(got[name])
+    # the bookie said so (consumers stop) vs inferred from TLS (retried like an unavailable bookie)
+    assert got["read"].definite is (case != "plaintext")
     assert run(_snapshot(token_bookie.address, good(pki, token_bookie))) == before
 
 
@@ -376,6 +378,7 @@ def test_client_without_a_valid_certificate_does_nothing_on_an_mtls_bookie(mtls_
     expected = "speaks TLS and this client does not" if case == "plaintext" else "requires a client certificate it trusts"
     for name in ("info", "read", "trim", "read_lac"):
         assert expected in str(got[name]), (name, got[name])
+    assert got["read"].definite is False
     assert run(_snapshot(mtls_bookie.address, good(pki, mtls_bookie))) == before
 
 
