@@ -31,6 +31,11 @@ acknowledged append; "other" is the CPU (in cores) everything else on the machin
     .venv/bin/python bench/e2e.py --rates 5000,1000                # also the fixed-rate cases at 1,000/s
     .venv/bin/python bench/e2e.py --quick                          # 2 s per case
     .venv/bin/python bench/e2e.py --no-nats --sizes 1024           # Scroll only
+    .venv/bin/python bench/e2e.py --no-nats --tls --rates '' --tail-sizes ''   # plaintext vs TLS + token
+
+``--tls`` runs Scroll twice in the same run: as above, then with its bookies secured (TLS on the
+gRPC and data ports, a token required: ``LocalCluster(secure_bookies="token")``), and prints the
+TLS / plaintext ratio of every figure (the cost of TLS, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -171,19 +176,22 @@ class Meter:
 class ScrollTarget:
     name = "scroll"
 
-    def __init__(self, base: Path) -> None:
-        self.cluster = LocalCluster(base / "scroll", bookies=3)
+    def __init__(self, base: Path, tls: bool = False) -> None:
+        self.tls = tls
+        if tls:
+            self.name = "scroll-tls"
+        self.cluster = LocalCluster(base / self.name, bookies=3, secure_bookies="token" if tls else False)
         self.client = None
         self.producer = None
         self.stream = ""
 
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.cluster.start)
-        self.client = await connect(self.cluster.metadata_url)
+        self.client = await connect(self.cluster.metadata_url, security=self.cluster.client_security)
 
     def describe(self) -> str:
         return ("Scroll: etcd + 3 bookies on 127.0.0.1, E=3 WQ=3 AQ=2, journal fsync before every "
-                "acknowledgement (group commit)")
+                "acknowledgement (group commit)" + (", bookies on TLS with a token" if self.tls else ""))
 
     async def open(self, stream: str, window: int) -> None:
         self.stream = stream
@@ -222,7 +230,9 @@ class ScrollTarget:
         return sum(proc_cpu_s(p.pid) for p in procs if p is not None)
 
     def tail_args(self) -> list[str]:
-        return ["--url", self.cluster.metadata_url, "--stream", self.stream]
+        sec = self.cluster.client_security
+        extra = ["--tls-ca", sec.tls_ca, "--token-file", str(self.cluster.dir / "security" / "token")] if sec else []
+        return ["--url", self.cluster.metadata_url, "--stream", self.stream, *extra]
 
     async def stop(self) -> None:
         try:
@@ -609,8 +619,12 @@ async def tail_child(args: argparse.Namespace) -> int:
     times: list[float] = []
     deadline = time.time() + args.timeout
     cpu0 = time.process_time()
-    if args.tail_child == "scroll":
-        client = await connect(args.url)
+    if args.tail_child.startswith("scroll"):
+        from fragments.security import ClientSecurity
+
+        security = ClientSecurity.from_options({"tls.ca": args.tls_ca, "token.file": args.token_file}) \
+            if args.tls_ca else None
+        client = await connect(args.url, security=security)
         consumer = await client.consumer(args.stream, start="earliest", long_poll_s=1.0)
         print("ready", flush=True)
         while len(positions) < args.count and time.time() < deadline:
@@ -672,7 +686,11 @@ def parse_args() -> argparse.Namespace:
                     "e.g. 'always' on servers that support it)")
     ap.add_argument("--dir", default=None, help="directory on the disk under test (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--tls", action="store_true",
+                    help="also run Scroll with TLS + a token on its bookies and print the TLS / plaintext ratios")
     ap.add_argument("--tail-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tls-ca", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--token-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stream", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
@@ -694,7 +712,9 @@ class Run:
     machine: str
     scroll: str = ""
     jetstream: str = ""
+    scroll_tls: str = ""
     results: list[Result] = field(default_factory=list)
+    tls_ratios: list[dict] = field(default_factory=list)
     goals: list[dict] = field(default_factory=list)
 
 
@@ -759,6 +779,15 @@ async def amain(args: argparse.Namespace) -> int:
                 await run_system(target, args, base, run)
             finally:
                 await target.stop()
+        if "scroll" in systems and args.tls:
+            target = ScrollTarget(base, tls=True)
+            run.scroll_tls = target.describe()
+            print(run.scroll_tls)
+            try:
+                await target.start()
+                await run_system(target, args, base, run)
+            finally:
+                await target.stop()
         if "jetstream" in systems:
             binary = shutil.which(args.nats_server or "nats-server")
             if binary is None:
@@ -785,6 +814,8 @@ async def amain(args: argparse.Namespace) -> int:
     load = os.getloadavg()
     run.machine += f", {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end"
     summarize(run)
+    if args.tls:
+        summarize_tls(run)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(_no_nan(asdict(run)), indent=2))
@@ -819,6 +850,29 @@ def _fmt(v: float, unit: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:,.0f}" if unit == "/s" else f"{v:.1f}" if unit == "MB/s" else f"{v:.2f}"
+
+
+def summarize_tls(run: Run) -> None:
+    """The cost of TLS: each Scroll figure with TLS + token over the same figure in plaintext."""
+    print()
+    print("the cost of TLS (same run): Scroll with TLS + token on its bookies / Scroll in plaintext")
+    print(f"{'case':<30} {'plaintext':>10} {'TLS':>10} {'TLS/plain':>9}")
+    rows = []
+    for r in run.results:
+        if r.system != "scroll":
+            continue
+        t = next((x for x in run.results if x.system == "scroll-tls" and (x.workload, x.entry_bytes, x.target_per_s)
+                  == (r.workload, r.entry_bytes, r.target_per_s)), None)
+        if t is None:
+            continue
+        case = f"{r.workload} {r.entry_bytes} B" + (f" at {r.target_per_s:,.0f}/s" if r.target_per_s else "")
+        for attr, label in (("appends_per_s", "/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"),
+                            ("client_cpu_us", "client us/a"), ("server_cpu_us", "server us/a")):
+            a, b = getattr(r, attr), getattr(t, attr)
+            ratio = b / a if a else math.nan
+            rows.append({"case": case, "figure": label, "plaintext": a, "tls": b, "ratio": ratio})
+            print(f"{case + ' ' + label:<30} {a:>10.2f} {b:>10.2f} {ratio:>9.3f}")
+    run.tls_ratios = rows
 
 
 def summarize(run: Run) -> None:

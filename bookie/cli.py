@@ -8,6 +8,11 @@ the Prometheus endpoint, and prints one readiness line once serving::
 
     bookie ready id=127.0.0.1:3181 address=127.0.0.1:3181 data_dir=/var/scroll metrics=none data_port=41234
 
+Security (docs/security.md, "Bookies"): ``--tls-cert/--tls-key`` put both ports on TLS;
+``--tls-client-ca`` with ``--tls-client-auth requested|required`` adds mutual TLS (a verified client
+certificate authenticates its caller); ``--auth-token-file`` lists accepted tokens. With a token file
+or required client certificates, unauthenticated callers are refused. Files are read at start.
+
 On SIGTERM or SIGINT it stops taking calls, lets in-flight calls finish, syncs the journal,
 checkpoints and exits 0, printing ``bookie stopped``.
 """
@@ -24,7 +29,7 @@ from pathlib import Path
 import click
 
 from fragments.registry import BookieRegistration, register_bookie
-from fragments.security import redact_url
+from fragments.security import CLIENT_AUTH_MODES, BookieSecurity, SecurityConfigError, redact_url
 from fragments.store import MetadataError
 from fragments.stores import open_store
 
@@ -63,10 +68,21 @@ def _parse_overrides(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--rack", default="/default-rack", show_default=True, help="Rack or zone label used by placement.")
 @click.option("--registration-ttl", default=5.0, show_default=True, type=float,
               help="Lease TTL (s): a dead bookie leaves the live set this long after it stops refreshing.")
+@click.option("--tls-cert", type=click.Path(dir_okay=False), default=None,
+              help="PEM certificate chain: the gRPC and data ports speak TLS (with --tls-key).")
+@click.option("--tls-key", type=click.Path(dir_okay=False), default=None, help="PEM private key of --tls-cert.")
+@click.option("--tls-client-ca", type=click.Path(dir_okay=False), default=None,
+              help="CA bundle that client certificates must chain to (mutual TLS).")
+@click.option("--tls-client-auth", type=click.Choice(CLIENT_AUTH_MODES), default=None,
+              help="none | requested | required (default: required with --tls-client-ca, else none).")
+@click.option("--auth-token-file", type=click.Path(dir_okay=False), default=None,
+              help="Accepted tokens, one per line (a secret: chmod 600): callers must present one "
+                   "(or a verified client certificate).")
 def bookie_command(
     data_dir: Path, port: int, data_port: int, journal_dir: Path | None, host: str, metrics_port: int | None,
     bookie_id: str, overrides: tuple[str, ...], log_level: str, metadata: str | None, rack: str,
-    registration_ttl: float,
+    registration_ttl: float, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
+    tls_client_auth: str | None = None, auth_token_file: str | None = None,
 ) -> None:
     """Run one bookie (storage server)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -75,9 +91,16 @@ def bookie_command(
         config = config.with_overrides(_parse_overrides(overrides))
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
+    try:
+        auth = tls_client_auth or ("required" if tls_client_ca else "none")
+        security = BookieSecurity(tls_cert=tls_cert, tls_key=tls_key, client_ca=tls_client_ca, client_auth=auth,
+                                  token_file=auth_token_file)
+        security.server_ssl_context()  # unreadable or mismatched files fail here, with the reason
+    except SecurityConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     tune_malloc()
     try:
-        asyncio.run(_serve(config, host, port, metrics_port, metadata, rack, registration_ttl, data_port))
+        asyncio.run(_serve(config, host, port, metrics_port, metadata, rack, registration_ttl, data_port, security))
     except (BookieError, OSError, MetadataError) as exc:
         click.echo(f"bookie failed: {exc}", err=True)
         sys.exit(1)
@@ -85,9 +108,9 @@ def bookie_command(
 
 async def _serve(config: BookieConfig, host: str, port: int, metrics_port: int | None,
                  metadata: str | None = None, rack: str = "/default-rack", ttl_s: float = 5.0,
-                 data_port: int = 0) -> None:
+                 data_port: int = 0, security: BookieSecurity | None = None) -> None:
     metrics = BookieMetrics()
-    server = BookieServer(config, host=host, port=port, metrics=metrics, data_port=data_port)
+    server = BookieServer(config, host=host, port=port, metrics=metrics, data_port=data_port, security=security)
     await server.start()
     http = None
     if metrics_port is not None:
@@ -97,8 +120,11 @@ async def _serve(config: BookieConfig, host: str, port: int, metrics_port: int |
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     shown = f"{host}:{http.server_port}" if http is not None else "none"
+    sec = server.security
+    secured = ("tls" if sec.tls else "plaintext") + (f" client_auth={sec.client_auth}" if sec.tls else "") \
+        + (" auth=required" if sec.auth_required else "")
     click.echo(f"bookie ready id={server.bookie_id} address={server.address} data_dir={config.data_dir} metrics={shown} "
-               f"data_port={server.data_port}")
+               f"data_port={server.data_port} security={secured.replace(' ', ',')}")
     sys.stdout.flush()
     registrar = await _register(server, metadata, rack, ttl_s) if metadata else None
     reporter = asyncio.create_task(_report_space(server, registrar, ttl_s)) if registrar else None

@@ -18,6 +18,14 @@ Answers for protocol calls are the sans-IO core's events (``AddOk``, ``InvalidTe
 ``NotTruncated``, ``WriteFailed``, ``FenceOk``, ``FenceFailed``, ``ReadOk``, ``ReadMissing``,
 ``ReadFailed``) with ``bookie`` set to this client's bookie name, ready to feed to the core.
 Regular reads, long-poll reads, trims and info raise typed ``BookieError``s instead.
+
+Security (``fragments.security.ClientSecurity``): with ``tls_ca`` both connections use TLS (gRPC's
+SSL channel credentials; the data port through ``security.ssl_context()``, checking the certificate
+against the host of the address), presenting ``tls_cert`` when given (mutual TLS). A token goes as
+``authorization: Bearer`` metadata on every gRPC call and as the first frame (AUTH) of every data
+connection, whose other requests wait for its answer. A refusal (no or a wrong token or
+certificate, a failed TLS handshake) raises ``BookieAuthError`` (not retriable) from reads, trims
+and info, and makes adds, fences and LAC writes fail at once with the reason logged as an error.
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ import asyncio
 import collections
 import contextlib
 import logging
+import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from fragments.security import ClientSecurity
 from terms.messages import (
     AddOk,
     AddRequest,
@@ -47,7 +57,15 @@ from terms.messages import (
 
 from . import digest as digests
 from . import wire
-from .errors import BookieError, BookieUnavailableError, CorruptEntryError, Status, TooLargeError, error_for
+from .errors import (
+    BookieAuthError,
+    BookieError,
+    BookieUnavailableError,
+    CorruptEntryError,
+    Status,
+    TooLargeError,
+    error_for,
+)
 from .proto import bookie_pb2 as pb
 from .proto import bookie_pb2_grpc as pb_grpc
 
@@ -185,6 +203,7 @@ class _DataConnection(asyncio.Protocol):
         self.open: collections.deque[_OpenBatch] = collections.deque()
         self.next_rid = 1
         self.dead = False
+        self.live = False  # connected (and authenticated): requests may go out
         self.ready = asyncio.get_running_loop().create_future()
         self.watchdog: asyncio.TimerHandle | None = None
         self.connecting = asyncio.ensure_future(self._connect())
@@ -193,10 +212,21 @@ class _DataConnection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         try:
             host, port = await self.client._data_address()
-            await asyncio.wait_for(loop.create_connection(lambda: self, host, port), self.client.call_timeout_s)
+            ctx = self.client._ssl
+            await asyncio.wait_for(loop.create_connection(lambda: self, host, port, ssl=ctx,
+                                                          server_hostname=host if ctx is not None else None),
+                                   self.client.call_timeout_s)
         except asyncio.CancelledError:
             self.fail("connection attempt cancelled", quiet=True)
             raise
+        except BookieAuthError as exc:
+            self.fail(exc.message, auth=True, definite=exc.definite)
+        except ssl.SSLError as exc:
+            if _tls_refusal(exc):
+                self.fail(f"TLS handshake with the data port failed: {exc}", auth=True, definite=False)
+            else:
+                self.client._forget_data_address()
+                self.fail(f"cannot connect to the data port: {_describe(exc)}")
         except Exception as exc:  # noqa: BLE001 - any failure: every waiting request fails
             self.client._forget_data_address()
             self.fail(f"cannot connect to the data port: {_describe(exc)}")
@@ -207,11 +237,22 @@ class _DataConnection(asyncio.Protocol):
             transport.close()
             return
         self.transport = transport
+        token = self.client.security.token
+        if token is not None:
+            transport.write(wire.encode_auth(self._rid(), token))  # answered before anything else goes
+            return
+        self._live()
+
+    def _live(self) -> None:
+        self.live = True
         if not self.ready.done():
             self.ready.set_result(None)
         self._pump()
 
     def connection_lost(self, exc) -> None:
+        if isinstance(exc, ssl.SSLError) and _tls_refusal(exc):
+            self.fail(f"TLS with the data port failed: {exc}", auth=True, definite=False)
+            return
         self.fail(f"data connection lost: {exc!r}" if exc else "data connection closed by the bookie")
 
     def data_received(self, data: bytes) -> None:
@@ -228,6 +269,12 @@ class _DataConnection(asyncio.Protocol):
                     self._add_answered(rid, body)
                 elif op == wire.ERROR:
                     self._error_answered(rid, body)
+                elif op == wire.AUTH | wire.ANSWER:
+                    status, message = wire.decode_error(body)
+                    if status != Status.OK:
+                        self.fail(message, auth=True)
+                    elif not self.live:
+                        self._live()
                 else:
                     self._call_answered(op, rid, body)
             except (wire.FrameError, struct.error) as exc:
@@ -248,7 +295,7 @@ class _DataConnection(asyncio.Protocol):
         ob.waiters.append((fut if on_done is None else on_done, k))
         ob.n += k
         ob.size += size
-        if self.transport is not None and len(self.adds) < c.max_inflight_batches:
+        if self.live and len(self.adds) < c.max_inflight_batches:
             self._pump()
         return fut
 
@@ -326,6 +373,9 @@ class _DataConnection(asyncio.Protocol):
             for w, k in ob.waiters:
                 _settle(w, AddResults(k, [status] * k, [-1] * k, message), False)
             return
+        if status == Status.UNAUTHENTICATED:
+            self.fail(message, auth=True)
+            return
         self.fail(f"the bookie refused the connection: {message}")  # it closes the connection next
 
     # ---------------------------------------------------------------- timeouts, failure
@@ -355,25 +405,38 @@ class _DataConnection(asyncio.Protocol):
         if self.adds or self.calls:
             self._arm()
 
-    def fail(self, reason: str, quiet: bool = False) -> None:
-        """Every request not yet answered fails; the client opens a new connection next time."""
+    def fail(self, reason: str, quiet: bool = False, auth: bool = False, definite: bool = True) -> None:
+        """Every request not yet answered fails; the client opens a new connection next time.
+        ``auth``: the bookie refused our credentials (requests fail with ``BookieAuthError`` and
+        adds with UNAUTHENTICATED, so nobody retries them as if the bookie were down)."""
         if self.dead:
             return
         self.dead = True
-        if self.adds or self.open or self.calls or not quiet:
+        if auth:
+            if not reason.startswith(f"bookie {self.client.bookie} "):
+                reason = f"bookie {self.client.bookie} refused this client: {reason}"
+            log.error("%s", reason)
+        elif self.adds or self.open or self.calls or not quiet:
             log.warning("bookie %s: %s", self.client.bookie, reason)
+        code = Status.UNAUTHENTICATED if auth else UNAVAILABLE
         batches = list(self.adds.values()) + list(self.open)
         self.adds.clear()
         self.open.clear()
         for ob in batches:
             for w, k in ob.waiters:
-                _settle(w, AddResults(k, [UNAVAILABLE] * k, [-1] * k, reason), False)
+                _settle(w, AddResults(k, [code] * k, [-1] * k, reason), False)
+
+        def error() -> BookieError:
+            if auth:
+                return BookieAuthError(reason, definite=definite)
+            return BookieUnavailableError(f"bookie {self.client.bookie}: {reason}")
+
         calls, self.calls = list(self.calls.values()), {}
         for call in calls:
             if not call.fut.done():
-                call.fut.set_exception(BookieUnavailableError(f"bookie {self.client.bookie}: {reason}"))
+                call.fut.set_exception(error())
         if not self.ready.done():
-            self.ready.set_exception(BookieUnavailableError(f"bookie {self.client.bookie}: {reason}"))
+            self.ready.set_exception(error())
             self.ready.exception()  # retrieved: a connection nobody awaited must not log it
         if self.watchdog is not None:
             self.watchdog.cancel()
@@ -406,6 +469,24 @@ def _settle(waiter, results: AddResults, direct: bool) -> None:
             log.exception("add answer callback failed")
     else:
         asyncio.get_running_loop().call_soon(waiter, results)
+
+
+def _refused(exc: grpc.aio.AioRpcError) -> bool:
+    """A call the bookie refused for our credentials: UNAUTHENTICATED, or a TLS handshake that
+    failed (no channel could be set up: wrong CA, a refused client certificate, TLS vs plaintext)."""
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        return True
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "handshake" in details
+
+
+def _tls_refusal(exc: ssl.SSLError) -> bool:
+    """A TLS failure that says something about credentials (a certificate that does not verify, an
+    alert from the bookie, TLS against plaintext), not an EOF of a bookie that went away."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return True
+    reason = (exc.reason or "").upper()
+    return "ALERT" in reason or "CERTIFICATE" in reason or "WRONG_VERSION" in reason or "RECORD_LAYER" in reason
 
 
 def _describe(exc: BaseException) -> str:
@@ -446,8 +527,13 @@ class BookieClient:
         add_timeout_s: float = 30.0,
         call_timeout_s: float = 30.0,
         data_address: str | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.address = address
+        self.security = security or ClientSecurity()
+        self._ssl = self.security.ssl_context()
+        token = self.security.token
+        self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
         self.data_address = data_address  # host:port of the data plane; None: asked with Info
         self._data_configured = data_address is not None
         self.max_message_bytes = max_message_bytes
@@ -459,9 +545,7 @@ class BookieClient:
         self.add_timeout_s = add_timeout_s
         self.call_timeout_s = call_timeout_s
         self._keys: dict[int, bytes] = {}
-        self._channel = grpc.aio.insecure_channel(
-            address,
-            options=[
+        options = [
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 # a bookie that restarts is back within a couple of seconds: do not let gRPC's
@@ -470,8 +554,13 @@ class BookieClient:
                 # 100 ms connections to a busy bookie failed with "connect() timed out".)
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 2000),
-            ],
-        )
+        ]
+        if self.security.tls:
+            root, key, chain = self.security.pem()
+            creds = grpc.ssl_channel_credentials(root, key, chain)
+            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = pb_grpc.BookieStub(self._channel)
         self._conn: _DataConnection | None = None
         self._closed = False
@@ -586,7 +675,7 @@ class BookieClient:
 
     async def _ready_connection(self) -> _DataConnection:
         conn = self._connection()
-        if conn.transport is None:
+        if not conn.live:
             await asyncio.shield(conn.ready)
         return conn
 
@@ -657,7 +746,7 @@ class BookieClient:
         try:
             r = await self._tracked(self._stub.Fence, pb.FenceRequest(ledger_id=ledger_id, term=term))
         except grpc.aio.AioRpcError as exc:
-            log.warning("fence ledger=%d term=%d on %s failed: %s", ledger_id, term, self.bookie, _describe(exc))
+            self._log_rpc_error(exc, "fence ledger=%d term=%d on %s failed: %s", ledger_id, term, self.bookie)
             return FenceFailed(self.bookie, ledger_id, term)
         if r.status == Status.OK:
             return FenceOk(self.bookie, ledger_id, term, r.lac, r.lafr)
@@ -672,7 +761,8 @@ class BookieClient:
         try:
             r = await self._tracked(self._stub.RecoveryRead, req)
         except grpc.aio.AioRpcError as exc:
-            log.warning("recovery read ledger=%d entry=%d term=%d failed: %s", ledger_id, entry_id, term, _describe(exc))
+            self._log_rpc_error(exc, "recovery read ledger=%d entry=%d term=%d on %s failed: %s", ledger_id, entry_id,
+                                term, self.bookie)
             return ReadFailed(self.bookie, ledger_id, entry_id, term)
         if r.status == Status.OK:
             if not self._verify(ledger_id, entry_id, r.digest_type, r.data, r.digest):
@@ -692,7 +782,8 @@ class BookieClient:
             body = await self._call(wire.WRITE_LAC, lambda rid: wire.encode_write_lac(rid, ledger_id, term, lac, lafr), ledger_id)
             status, bookie_term, error = wire.decode_write_lac_answer(body)
         except BookieError as exc:
-            (log.debug if self._closed else log.warning)("LAC write ledger=%d term=%d failed: %s", ledger_id, term, exc)
+            level = log.debug if self._closed else (log.error if isinstance(exc, BookieAuthError) else log.warning)
+            level("LAC write ledger=%d term=%d failed: %s", ledger_id, term, exc)
             return WriteFailed(self.bookie, ledger_id, lac, term)
         if status == Status.OK:
             return LacWritten(self.bookie, ledger_id, term)
@@ -772,7 +863,7 @@ class BookieClient:
     def _tracked(self, method, req, extra_s: float = 0.0):
         """Start a unary call, kept in ``_calls`` until gRPC has its status, even when the task
         awaiting it was cancelled (a losing speculative read): close() waits for them."""
-        call = method(req, timeout=self.call_timeout_s + extra_s)
+        call = method(req, timeout=self.call_timeout_s + extra_s, metadata=self._metadata)
         self._calls.add(call)
         call.add_done_callback(self._calls.discard)
         return call
@@ -783,7 +874,59 @@ class BookieClient:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise TooLargeError(_describe(exc)) from exc
+            if _refused(exc):
+                raise BookieAuthError(f"bookie {self.bookie} refused this client: {_describe(exc)}",
+                                      definite=exc.code() == grpc.StatusCode.UNAUTHENTICATED) from exc
+            # gRPC's only word for a TLS mismatch or a refused client certificate: "Socket closed" (a
+            # bookie that is down says "Connection refused" and is not probed)
+            closed = exc.code() == grpc.StatusCode.UNAVAILABLE and "socket closed" in (exc.details() or "").lower()
+            reason = await self._diagnose() if closed else None
+            if reason is not None:
+                # inferred from one TLS connection of our own: a bookie stopping right then looks alike
+                raise BookieAuthError(f"bookie {self.bookie} refused this client: {reason}", definite=False) from exc
             raise BookieUnavailableError(f"bookie {self.bookie}: {_describe(exc)}") from exc
+
+    async def _diagnose(self, timeout_s: float = 1.0) -> str | None:
+        """After gRPC could not set up a channel: whether TLS is why. gRPC only says "Socket
+        closed" when the bookie refused our certificate (TLS 1.3 refuses after the handshake) or
+        when one side speaks TLS and the other does not; one TLS connection of our own tells which,
+        with OpenSSL's reason. None: not a TLS problem (the bookie is down, slow, ...)."""
+        host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")
+        ctx = self.security.ssl_context()
+        if ctx is None:  # are we talking plaintext to a TLS bookie?
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols(["h2"])
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, int(port), ssl=ctx, server_hostname=host), timeout_s)
+        except ssl.SSLError as exc:
+            return f"TLS handshake failed: {exc.reason or exc}" if self.security.tls else None
+        except (OSError, TimeoutError):
+            return None
+        try:
+            if not self.security.tls:
+                return "the bookie speaks TLS and this client does not: pass tls.ca (--tls-ca)"
+            try:
+                first = await asyncio.wait_for(reader.read(1), timeout_s)
+            except ssl.SSLError as exc:
+                return f"the bookie refused this client's TLS: {exc.reason or exc}"
+            except (OSError, TimeoutError):
+                return None
+            if first:
+                return None
+            return ("the bookie closed the TLS connection after the handshake: it requires a client certificate "
+                    "it trusts (none given, from another CA, or expired?)")
+        finally:
+            writer.transport.abort()  # no TLS close_notify exchange: a gRPC server may never answer it
+
+    def _log_rpc_error(self, exc: grpc.aio.AioRpcError, fmt: str, *args) -> None:
+        if _refused(exc):
+            log.error(fmt.replace("failed", "refused"), *args, _describe(exc))
+        else:
+            log.warning(fmt, *args, _describe(exc))
 
     def _verify(self, ledger_id: int, entry_id: int, dtype: int, data: bytes, dig: bytes) -> bool:
         return digests.verify(dtype, ledger_id, entry_id, data, dig, self._keys.get(ledger_id))

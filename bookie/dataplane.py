@@ -14,6 +14,14 @@ mark), the connection stops reading; frames already received wait in order. A fr
 parse is answered with ERROR and the connection is closed; a bad request inside a well-formed
 frame (negative ids, a bad digest, an unknown ledger) gets its status in the answer and nothing
 else changes.
+
+Authentication (``BookieSecurity``): with TLS the listener wraps every connection in TLS. When the
+bookie requires authentication, a connection starts unauthenticated unless its verified client
+certificate authenticates it; until then it may send one AUTH frame (a token) of at most
+``wire.MAX_PREAUTH_FRAME_BYTES`` within ``PREAUTH_TIMEOUT_S``, and anything else (another op, a
+larger frame, a wrong token, silence) is answered UNAUTHENTICATED and closed, so an unauthenticated
+peer costs a bounded amount of work and memory. Once authenticated, the connection is exactly the
+plain one: one boolean, checked once per received chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import collections
 import logging
 import struct
 
+from fragments.security import AUTH_REQUIRED_MESSAGE, INVALID_TOKEN_MESSAGE, BookieSecurity
 from terms.bookie_rules import Reject
 
 from . import wire
@@ -30,6 +39,8 @@ from .errors import BookieError, Status
 from .storage import Engine
 
 log = logging.getLogger(__name__)
+
+PREAUTH_TIMEOUT_S = 10.0  # an unauthenticated connection that does not authenticate by then is closed
 
 
 def _status_of(exc: BaseException) -> tuple[int, str]:
@@ -42,8 +53,11 @@ def _status_of(exc: BaseException) -> tuple[int, str]:
 class DataServer:
     """Listens for data-plane connections; ``inflight`` counts adds awaiting their fsync."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = wire.MAX_FRAME_BYTES_DEFAULT) -> None:
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, max_frame_bytes: int = wire.MAX_FRAME_BYTES_DEFAULT,
+                 security: BookieSecurity | None = None) -> None:
         self.engine = engine
+        self.security = security or BookieSecurity()
+        self.auth_required = self.security.auth_required
         self.host = host
         self.port = port
         self.max_frame_bytes = max_frame_bytes
@@ -53,7 +67,8 @@ class DataServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: DataConnection(self), self.host, self.port, reuse_address=True)
+        self._server = await loop.create_server(lambda: DataConnection(self), self.host, self.port, reuse_address=True,
+                                                ssl=self.security.server_ssl_context())
         self.port = self._server.sockets[0].getsockname()[1]
 
     def gauge(self, delta: int) -> None:
@@ -80,7 +95,9 @@ class DataConnection(asyncio.Protocol):
     def __init__(self, server: DataServer) -> None:
         self.server = server
         self.engine = server.engine
-        self.reader = wire.FrameReader(server.max_frame_bytes)
+        self.authed = not server.auth_required
+        self.reader = wire.FrameReader(server.max_frame_bytes if self.authed else wire.MAX_PREAUTH_FRAME_BYTES)
+        self.auth_timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.backlog: collections.deque = collections.deque()  # frames received but held back
@@ -102,9 +119,17 @@ class DataConnection(asyncio.Protocol):
             self.closed = True
             return
         self.server.connections.add(self)
+        if not self.authed:
+            if self.server.security.certs_authenticate and transport.get_extra_info("peercert"):
+                self._authenticated()  # a client certificate that verified against the client CA
+            else:
+                self.auth_timer = asyncio.get_running_loop().call_later(PREAUTH_TIMEOUT_S, self._refuse, 0,
+                                                                        AUTH_REQUIRED_MESSAGE)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self.auth_timer is not None:
+            self.auth_timer.cancel()
         self.server.connections.discard(self)
         for lid, fut, timer in list(self.waits):
             timer.cancel()
@@ -126,11 +151,17 @@ class DataConnection(asyncio.Protocol):
         self._drain_backlog()
 
     def data_received(self, data: bytes) -> None:
+        if not self.authed:
+            self._preauth(data)
+            return
         try:
             frames = self.reader.feed(data)
         except wire.FrameError as exc:
             self._broken(0, str(exc))
             return
+        self._dispatch(frames)
+
+    def _dispatch(self, frames: list) -> None:
         if self.backlog or self._held():
             self.backlog.extend(frames)
             self._update_reading()
@@ -151,6 +182,55 @@ class DataConnection(asyncio.Protocol):
             if committer is not None:
                 committer.release()
             self._answer_unsynced()
+
+    # ---------------------------------------------------------------- authentication
+    def _preauth(self, data: bytes) -> None:
+        """Before authentication: only AUTH frames (small ones) are read."""
+        try:
+            frames = self.reader.feed(data)
+        except wire.FrameError:
+            self._refuse(0, AUTH_REQUIRED_MESSAGE)
+            return
+        for i, (op, rid, body) in enumerate(frames):
+            if op != wire.AUTH:
+                self._refuse(rid, AUTH_REQUIRED_MESSAGE)
+                return
+            try:
+                token = wire.decode_auth(body)
+            except wire.FrameError:
+                self._refuse(rid, "malformed AUTH frame")
+                return
+            if not self.server.security.token_ok(token):
+                self._refuse(rid, INVALID_TOKEN_MESSAGE)
+                return
+            self._authenticated()
+            self._send(wire.encode_auth_answer(rid, Status.OK))
+            if frames[i + 1:]:
+                self._dispatch(frames[i + 1:])
+            return
+
+    def _authenticated(self) -> None:
+        self.authed = True
+        self.reader.max_frame_bytes = self.server.max_frame_bytes
+        if self.auth_timer is not None:
+            self.auth_timer.cancel()
+            self.auth_timer = None
+
+    def _auth_again(self, rid: int, body: memoryview) -> None:
+        """An AUTH frame on an authenticated connection (a client with a token and a certificate)."""
+        sec = self.server.security
+        if sec.tokens and not sec.token_ok(wire.decode_auth(body)):
+            self._refuse(rid, INVALID_TOKEN_MESSAGE)
+            return
+        self._send(wire.encode_auth_answer(rid, Status.OK))
+
+    def _refuse(self, rid: int, reason: str) -> None:
+        if self.closed:
+            return
+        log.warning("data connection %s: refused (%s): closing it", self._peer(), reason)
+        self._send(wire.encode_error(rid, Status.UNAUTHENTICATED, reason))
+        self.close()
+        self.closed = True  # frames after it in the same read are not handled
 
     # ---------------------------------------------------------------- flow control
     def _held(self) -> bool:
@@ -240,6 +320,8 @@ class DataConnection(asyncio.Protocol):
                 self._read_lac(rid, *wire.READ_LAC_REQ.unpack(body))
             elif op == wire.WRITE_LAC:
                 self._write_lac(rid, *wire.WRITE_LAC_REQ.unpack(body))
+            elif op == wire.AUTH:
+                self._auth_again(rid, body)
             else:
                 self._broken(rid, f"unknown op {op}")
         except (wire.FrameError, struct.error) as exc:  # a body that does not parse

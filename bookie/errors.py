@@ -27,6 +27,7 @@ class Status(enum.IntEnum):
     SHUTTING_DOWN = 11
     STORAGE_ERROR = 12  # journal or entry-log IO failed
     INTERNAL = 13
+    UNAUTHENTICATED = 14  # the bookie requires authentication: no, or a wrong, token or client certificate
 
 
 class BookieError(Exception):
@@ -102,6 +103,20 @@ class InternalError(BookieError):
     retriable = True
 
 
+class BookieAuthError(BookieError):
+    """The bookie refused the caller: no or a wrong token, no or an untrusted client certificate,
+    or a TLS handshake that failed. Not retriable: the credentials must change first."""
+
+    status = Status.UNAUTHENTICATED
+    retriable = False
+
+    def __init__(self, message: str = "", definite: bool = True) -> None:
+        super().__init__(message)
+        # False: the client inferred it (a TLS connection closed right after its handshake), which a
+        # bookie that was stopping at that moment can also cause; True: the bookie said so
+        self.definite = definite
+
+
 class BookieUnavailableError(BookieError):
     """Client side: the connection to the bookie failed or timed out."""
 
@@ -125,6 +140,7 @@ ERRORS: dict[Status, type[BookieError]] = {
         ShuttingDownError,
         StorageError,
         InternalError,
+        BookieAuthError,
     )
 }
 

@@ -10,6 +10,11 @@ Every handler turns a ``BookieError`` into its status code in the answer; anythi
 logged and answered INTERNAL; the server never dies on a bad request. ``BookieServer`` owns the
 life cycle: open storage, bind both ports (127.0.0.1 by default), serve, and on stop: refuse new
 work, let in-flight calls finish, sync, checkpoint, close.
+
+Security (``fragments.security.BookieSecurity``): with a certificate both ports speak TLS. When
+authentication is required, ``AuthInterceptor`` stands in front of every gRPC method (including
+Info): a call passes with ``authorization: Bearer <token>`` metadata naming an accepted token, or
+with a verified client certificate; otherwise it ends UNAUTHENTICATED before the handler runs.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 
 import grpc
 
+from fragments.security import AUTH_REQUIRED_MESSAGE, INVALID_TOKEN_MESSAGE, BookieSecurity
 from terms.bookie_rules import Reject
 
 from .config import BookieConfig
@@ -106,12 +112,59 @@ class BookieService(pb_grpc.BookieServicer):
         )
 
 
+def bearer_token(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            scheme, _, token = (value if isinstance(value, str) else value.decode("latin-1")).partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every gRPC call must carry an accepted bearer token or come with a verified client
+    certificate; anything else ends UNAUTHENTICATED with a message saying what to pass."""
+
+    def __init__(self, security: BookieSecurity) -> None:
+        self.security = security
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        token = bearer_token(handler_call_details.invocation_metadata)
+        if token is not None and self.security.token_ok(token):
+            return handler
+        message = AUTH_REQUIRED_MESSAGE if token is None else INVALID_TOKEN_MESSAGE
+        inner = handler.unary_unary
+        certs = self.security.certs_authenticate and inner is not None and token is None
+
+        async def guarded(request, context):
+            if certs and _peer_certificate(context):
+                return await inner(request, context)
+            log.warning("gRPC %s from %s refused: %s", handler_call_details.method, context.peer(), message)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+def _peer_certificate(context) -> bool:
+    """Whether the caller presented a client certificate that verified (gRPC's TLS puts it in the
+    auth context only then)."""
+    try:
+        auth = context.auth_context() or {}
+    except Exception:  # noqa: BLE001 - no auth context: no certificate
+        return False
+    return bool(auth.get("x509_pem_cert"))
+
+
 class BookieServer:
     """Open storage, serve gRPC, stop gracefully."""
 
     def __init__(self, config: BookieConfig, host: str = "127.0.0.1", port: int = 0, metrics: BookieMetrics | None = None,
-                 data_port: int = 0) -> None:
+                 data_port: int = 0, security: BookieSecurity | None = None) -> None:
         self.config = config
+        self.security = security or BookieSecurity()
         self.host = host
         self.port = port
         self.data_port = data_port
@@ -137,14 +190,22 @@ class BookieServer:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
+            interceptors=[AuthInterceptor(self.security)] if self.security.auth_required else None,
         )
-        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        sec = self.security
+        if sec.tls:
+            key, chain, client_ca = sec.grpc_pem()
+            creds = grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca,
+                                                require_client_auth=sec.client_auth == "required")
+            bound = self.server.add_secure_port(f"{self.host}:{self.port}", creds)
+        else:
+            bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
         if bound == 0:
             raise OSError(f"cannot bind {self.host}:{self.port}")
         self.port = bound
         self.bookie_id = self.bookie_id or self.address
-        self.data = DataServer(self.engine, self.host, self.data_port, limit)
+        self.data = DataServer(self.engine, self.host, self.data_port, limit, security=self.security)
         await self.data.start()
         self.data_port = self.data.port
         self.service = BookieService(self.engine, self.bookie_id, self.data_port)

@@ -22,6 +22,10 @@ Requests:
   holds up to the LAC (maybe none) and the LAC, never NO_SUCH_ENTRY.
 - READ_LAC: ledger, after LAC, timeout ms (long poll: answered once the LAC passes ``after``).
 - WRITE_LAC: ledger, term, LAC, LAFR.
+- AUTH: a token (text). On a bookie that requires authentication it is the first frame a client
+  sends (unless a verified client certificate already authenticated the connection); any other
+  frame first, a frame over ``MAX_PREAUTH_FRAME_BYTES``, or a wrong token gets an ERROR answer
+  with UNAUTHENTICATED and the connection is closed. The answer (AUTH | ANSWER) carries OK.
 Answers carry a status (``bookie.errors.Status``) and an error text. A frame that cannot be parsed
 gets an ERROR answer and the connection is closed: the stream of frames can no longer be trusted.
 """
@@ -33,10 +37,12 @@ import struct
 FRAME = struct.Struct("<IBI")  # length (of op + id + body), op, request id
 MAX_FRAME_BYTES_DEFAULT = 64 << 20
 
-ADD, READ, READ_LAC, WRITE_LAC = 1, 2, 3, 4
+ADD, READ, READ_LAC, WRITE_LAC, AUTH = 1, 2, 3, 4, 5
 ANSWER = 0x80
 ERROR = 0xFF
-OPS = (ADD, READ, READ_LAC, WRITE_LAC)
+OPS = (ADD, READ, READ_LAC, WRITE_LAC, AUTH)
+DATA_OPS = (ADD, READ, READ_LAC, WRITE_LAC)  # what authentication guards
+MAX_PREAUTH_FRAME_BYTES = 4096  # frames a connection may send before it is authenticated
 
 FLAG_TRUNCATE, FLAG_RECOVERY = 1, 2
 
@@ -231,6 +237,26 @@ def encode_write_lac_answer(rid: int, status: int, bookie_term: int, error: str 
 def decode_write_lac_answer(body: memoryview):
     status, term = WRITE_LAC_ANSWER.unpack_from(body, 0)
     return status, term, read_text(body, WRITE_LAC_ANSWER.size)[0]
+
+
+def encode_auth(rid: int, token: str) -> bytes:
+    body = text(token)
+    return frame_head(AUTH, rid, len(body)) + body
+
+
+def decode_auth(body: memoryview) -> bytes:
+    """The token's bytes (compared as bytes: no decoding of untrusted input needed)."""
+    if len(body) < TEXT.size:
+        raise FrameError("auth frame too short")
+    (n,) = TEXT.unpack_from(body, 0)
+    if TEXT.size + n != len(body):
+        raise FrameError("auth token length does not match the frame")
+    return bytes(body[TEXT.size:])
+
+
+def encode_auth_answer(rid: int, status: int, message: str = "") -> bytes:
+    body = ERROR_ANSWER.pack(int(status)) + text(message)
+    return frame_head(AUTH | ANSWER, rid, len(body)) + body
 
 
 def encode_error(rid: int, status: int, message: str) -> bytes:

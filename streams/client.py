@@ -24,6 +24,7 @@ from bookie.runtime import tune_malloc
 from fragments.ledgers import LedgerExists, NoSuchLedger
 from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
+from fragments.security import ClientSecurity
 from fragments.stores import open_store
 
 from .cluster import Cluster
@@ -268,9 +269,12 @@ class ScrollClient:
         await self.close()
 
 
-async def connect(metadata_url: str, *, add_timeout_s: float = 10.0, call_timeout_s: float = 10.0,
-                  max_entry_bytes: int = MAX_ENTRY_BYTES) -> ScrollClient:
+async def connect(metadata_url: str, *, security: ClientSecurity | None = None, add_timeout_s: float = 10.0,
+                  call_timeout_s: float = 10.0, max_entry_bytes: int = MAX_ENTRY_BYTES) -> ScrollClient:
     """Connect to a Scroll cluster through its metadata store (``etcd://host:port`` or ``memory://``).
+
+    ``security``: TLS, client certificate and token for the bookies (``fragments.security``). A
+    bookie that refuses them makes connect raise ``AuthenticationFailed`` (one Info call checks).
 
     The first connect in a process keeps buffers up to 64 MiB on malloc's heap (as bookies do,
     ``bookie.runtime.tune_malloc``): batches of ~1 MiB otherwise come from fresh mmaps, and the page
@@ -279,5 +283,11 @@ async def connect(metadata_url: str, *, add_timeout_s: float = 10.0, call_timeou
     if os.environ.get("SCROLL_MALLOC_TUNING", "1") != "0":
         tune_malloc()
     store = await open_store(metadata_url)
-    return ScrollClient(Cluster(store, add_timeout_s=add_timeout_s, call_timeout_s=call_timeout_s,
-                                max_entry_bytes=max_entry_bytes))
+    cluster = Cluster(store, add_timeout_s=add_timeout_s, call_timeout_s=call_timeout_s,
+                      max_entry_bytes=max_entry_bytes, security=security)
+    try:
+        await cluster.check_credentials()
+    except BaseException:
+        await cluster.close()
+        raise
+    return ScrollClient(cluster)

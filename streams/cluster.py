@@ -4,25 +4,32 @@ per bookie.
 Bookies register themselves under a lease (``fragments.registry``); fragments name bookies by id,
 so a bookie that restarts on the same id and address is found again. A bookie that is no longer
 registered gets no client: sends to it fail at once, which the writer treats as a failed write.
+Every bookie client gets the cluster's ``ClientSecurity`` (TLS, client certificate, token).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from bookie.client import BookieClient
+from bookie.errors import BookieAuthError, BookieError
 from fragments.ledgers import LedgerStore
 from fragments.registry import BookieRegistration, live_bookies
+from fragments.security import ClientSecurity
 from fragments.store import MetadataStore
+
+from .errors import AuthenticationFailed
 
 log = logging.getLogger(__name__)
 
 
 class Cluster:
     def __init__(self, store: MetadataStore, *, add_timeout_s: float = 10.0, call_timeout_s: float = 10.0,
-                 max_entry_bytes: int = 1 << 20):
+                 max_entry_bytes: int = 1 << 20, security: ClientSecurity | None = None):
         self.store = store
+        self.security = security or ClientSecurity()
         self.ledgers = LedgerStore(store)
         self.add_timeout_s = add_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -57,10 +64,28 @@ class Cluster:
             return None
         c = BookieClient(
             addr, bookie=bookie_id, add_timeout_s=self.add_timeout_s, call_timeout_s=self.call_timeout_s,
-            max_entry_bytes=self.max_entry_bytes + 64,
+            max_entry_bytes=self.max_entry_bytes + 64, security=self.security,
         )
         self._clients[bookie_id] = c
         return c
+
+    async def check_credentials(self, timeout_s: float = 2.0) -> None:
+        """Ask one live bookie for its Info: a bookie that refuses our credentials raises
+        ``AuthenticationFailed`` now, rather than every write and read failing later. A bookie that
+        does not answer in time proves nothing either way and is let be."""
+        regs = await self.refresh_bookies()
+        if not regs:
+            return
+        client = self.client(regs[0].bookie_id)
+        if client is None:
+            return
+        try:
+            await asyncio.wait_for(client.info(), timeout_s)
+        except BookieAuthError as exc:
+            raise AuthenticationFailed(f"{exc} (connect(..., security=ClientSecurity(...)); the scroll CLI: "
+                                       f"--tls-ca/--tls-cert/--tls-key/--token-file)") from exc
+        except (BookieError, TimeoutError):
+            pass
 
     async def close(self) -> None:
         for c in self._clients.values():

@@ -25,13 +25,13 @@ import contextlib
 import logging
 
 from bookie.client import ReadResult
-from bookie.errors import BookieError
+from bookie.errors import BookieAuthError, BookieError
 from fragments.model import Fragment, LedgerMeta, LedgerStatus, fragment_for
 from terms.quorum import write_set
 from terms.reader import copy_is_current, read_order
 
 from .batches import Record, RecordFormatError, StoredBatch, records_of, stored_batch
-from .errors import DataRemovedError, ReadFailedError
+from .errors import AuthenticationFailed, DataRemovedError, ReadFailedError
 from .offsets import OffsetIndex, next_batch, search_offset, search_timestamp
 
 log = logging.getLogger(__name__)
@@ -401,6 +401,8 @@ class Consumer:
                 else:
                     r = await client.read_lac(self.meta.ledger_id, after, wait)
             except BookieError as exc:
+                if isinstance(exc, BookieAuthError) and exc.definite:
+                    raise AuthenticationFailed(str(exc)) from exc
                 log.debug("stream=%s LAC read from %s failed: %s", self.name, b, exc)
                 continue
             # A fragment starting at F exists only once every entry below F was acknowledged
@@ -519,6 +521,8 @@ class Consumer:
             r: ReadResult = await client.read(self.meta.ledger_id, first, last, max_entries=self.max_read_entries,
                                               max_bytes=self.max_read_bytes)
         except BookieError as exc:
+            if isinstance(exc, BookieAuthError) and exc.definite:  # the bookie said so: retrying cannot help
+                raise AuthenticationFailed(str(exc)) from exc
             log.debug("stream=%s read %s..%s from %s failed: %s", self.name, first, last, bookie, exc)
             return []
         self.lac = max(self.lac, r.lac)

@@ -55,6 +55,11 @@ class PayloadTooLarge(InvalidArgument):
     pass
 
 
+class AuthenticationFailed(ScrollError):
+    """A bookie refused this client's credentials (no or a wrong token or client certificate, or
+    TLS that does not match): pass ``security=ClientSecurity(...)`` to ``connect``. Not retriable."""
+
+
 class NoBookiesAvailable(ScrollError):
     retriable = True
 

@@ -6,6 +6,8 @@
             p.append(b"hello")
         for r in client.consumer("orders").read(100): ...
 
+    # a secured cluster: connect("etcd://...", security=ClientSecurity(tls_ca="ca.pem", token="..."))
+
 One background thread runs an asyncio loop; every call is submitted to it and waited for.
 """
 

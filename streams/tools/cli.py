@@ -1,7 +1,10 @@
 """The ``scroll`` command line.
 
 Every command that talks to a cluster takes ``--metadata URL`` (or ``SCROLL_METADATA``; default
-``etcd://127.0.0.1:2379``). Output is a human table by default and JSON with ``--json``.
+``etcd://127.0.0.1:2379``). Output is a human table by default and JSON with ``--json``. Towards
+secured bookies, the global options ``--tls-ca``, ``--tls-cert``/``--tls-key`` and ``--token-file``
+(or ``SCROLL_TLS_CA``, ``SCROLL_TLS_CERT``, ``SCROLL_TLS_KEY``, ``SCROLL_TOKEN_FILE``) come before
+the command: ``scroll --tls-ca ca.pem --token-file t stream list``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,17 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
+@click.option("--tls-ca", envvar="SCROLL_TLS_CA", type=click.Path(dir_okay=False), default=None,
+              help="CA bundle the bookies' certificates chain to: talk TLS to them.")
+@click.option("--tls-cert", envvar="SCROLL_TLS_CERT", type=click.Path(dir_okay=False), default=None,
+              help="Client certificate for mutual TLS with the bookies (with --tls-key).")
+@click.option("--tls-key", envvar="SCROLL_TLS_KEY", type=click.Path(dir_okay=False), default=None,
+              help="Private key of --tls-cert.")
+@click.option("--token-file", envvar="SCROLL_TOKEN_FILE", type=click.Path(dir_okay=False), default=None,
+              help="File holding the bookie token (its first line).")
+@click.pass_context
+def main(ctx: click.Context, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+         token_file: str | None = None) -> None:
     """Scroll: unbounded replicated streams with terms and truncate-on-take-over.
 
     Positions are record offsets: dense from 0 per stream (per topic partition), as in Kafka.
@@ -41,8 +54,26 @@ def main() -> None:
       scroll topic create clicks --partitions 4
       printf 'x\\n' | scroll produce clicks --key user-7
       scroll fragments orders
+      scroll --tls-ca ca.pem --token-file token stream list   # secured bookies
     """
     _exit_with_parent()
+    ctx.obj = {"security_options": {"tls.ca": tls_ca, "tls.cert": tls_cert, "tls.key": tls_key,
+                                    "token.file": token_file}}
+
+
+def _security():
+    """The ``ClientSecurity`` of the global options (None when none was given)."""
+    from fragments.security import ClientSecurity, SecurityConfigError
+
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    options = (root.obj or {}).get("security_options", {}) if root is not None else {}
+    if not any(v is not None for v in options.values()):
+        return None
+    try:
+        return ClientSecurity.from_options(options)
+    except SecurityConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 PARENT_PID_ENV = "SCROLL_PARENT_PID"
@@ -72,8 +103,9 @@ def _client(metadata: str):
     from ..errors import ScrollError
     from ..sync import connect
 
+    security = _security()
     try:
-        return connect(metadata)
+        return connect(metadata, security=security)
     except ScrollError as exc:
         raise click.ClickException(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - e.g. the metadata store is down: say so clearly
@@ -587,9 +619,13 @@ def _arun(metadata: str, fn):
     from ..client import connect
     from ..errors import ScrollError
 
+    security = _security()
+
     async def go():
         try:
-            client = await connect(metadata)
+            client = await connect(metadata, security=security)
+        except ScrollError:
+            raise
         except Exception as exc:  # noqa: BLE001 - e.g. the metadata store is down: say so clearly
             raise click.ClickException(f"cannot reach the metadata store at {redact_url(metadata)}: {exc}") from exc
         try:

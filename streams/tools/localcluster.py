@@ -9,7 +9,15 @@ etcd security (off by default): ``etcd_password=`` turns etcd's auth on (a ``roo
 password, created through etcd's own gRPC Auth API, then ``AuthEnable``), and ``etcd_tls=`` (an
 ``EtcdTLSFiles``) makes etcd serve TLS with the given certificate (and, with client files,
 require client certificates). ``metadata_url`` then carries the credentials
-(``etcds://root:<password>@127.0.0.1:<port>?ca=...``), and the bookies get it.
+(``etcds://root:<password>@127.0.0.1:<port>?ca=...``), and the bookies get it (through the
+``SCROLL_METADATA`` environment variable: never on a command line).
+
+``secure_bookies`` starts the bookies secured: ``"token"`` (or True) puts both their ports on TLS
+and requires a token; ``"mtls"`` also requires client certificates. The CA (``bookie_ca``, a
+``trustme.CA`` or a ``tools.pki.LocalPki``; else a ``LocalPki`` under ``<dir>/security``), the
+bookies' certificate, a client certificate and the token file are written under ``<dir>/security``
+(kept across restarts); ``client_security`` is the ``ClientSecurity`` a client passes to
+``streams.connect(..., security=...)``.
 """
 
 from __future__ import annotations
@@ -148,7 +156,8 @@ class LocalCluster:
                  bookie_ports: list[int] | None = None, python: str | None = None, bookie_args: list[str] | None = None,
                  etcd_peer_port: int | None = None, bookie_metrics_ports: list[int] | None = None,
                  etcd_password: str | None = None, etcd_tls: EtcdTLSFiles | None = None,
-                 etcd_auth_token_ttl: int | None = None, etcd_args: list[str] | None = None):
+                 etcd_auth_token_ttl: int | None = None, etcd_args: list[str] | None = None,
+                 secure_bookies: bool | str = False, bookie_ca=None):
         self.dir = Path(data_dir).resolve()
         self.n = bookies
         self.python = python or sys.executable
@@ -163,6 +172,13 @@ class LocalCluster:
         self.etcd_args = etcd_args or []
         self.etcd: Proc | None = None
         self.bookies: list[Proc] = []
+        mode = "token" if secure_bookies is True else (secure_bookies or None)
+        if mode not in (None, "token", "mtls"):
+            raise ValueError(f"secure_bookies must be False, True, 'token' or 'mtls', not {secure_bookies!r}")
+        self.secure_bookies = mode
+        self.bookie_ca = bookie_ca
+        self._client_security = None
+        self._security_args: list[str] | None = None
 
     @property
     def metadata_url(self) -> str:
@@ -267,16 +283,40 @@ class LocalCluster:
         port = self.bookie_ports[i]
         d = self.dir / f"bookie-{i}"
         args = [self.python, "-m", "streams.tools.cli", "bookie", "--data-dir", str(d), "--port", str(port),
-                "--bookie-id", f"bookie-{i}", "--metadata", self.metadata_url, "--log-level", "WARNING",
-                *self.bookie_args]
+                "--bookie-id", f"bookie-{i}", "--log-level", "WARNING",
+                *self._bookie_security_args(), *self.bookie_args]
         if self.bookie_metrics_ports:
             args += ["--metrics-port", str(self.bookie_metrics_ports[i])]
         return Proc(f"bookie-{i}", args, port, d / "bookie.log")
+
+    def _bookie_security_args(self) -> list[str]:
+        """The secured bookies' flags (none unless ``secure_bookies``); writes the files once."""
+        if self.secure_bookies is None:
+            return []
+        if self._security_args is None:
+            from fragments.security import ClientSecurity
+
+            f = write_bookie_security_files(self.dir / "security", self.bookie_ca)
+            args = ["--tls-cert", f["bookie_cert"], "--tls-key", f["bookie_key"], "--auth-token-file", f["tokens"]]
+            client = {"tls_ca": f["ca"], "token": Path(f["token"]).read_text().strip()}
+            if self.secure_bookies == "mtls":
+                args += ["--tls-client-ca", f["ca"], "--tls-client-auth", "required"]
+                client.update(tls_cert=f["client_cert"], tls_key=f["client_key"])
+            self._security_args = args
+            self._client_security = ClientSecurity(**client)
+        return self._security_args
+
+    @property
+    def client_security(self):
+        """The ``ClientSecurity`` for this cluster's bookies (None unless ``secure_bookies``)."""
+        self._bookie_security_args()
+        return self._client_security
 
     def start_bookie(self, i: int, wait: bool = True, timeout_s: float = 30.0) -> None:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        env["SCROLL_METADATA"] = self.metadata_url  # it may carry etcd's password: not on the command line
         self.bookies[i].start(env)
         if wait:
             self.wait_bookie(i, timeout_s)
@@ -307,3 +347,40 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def write_bookie_security_files(d: Path, ca=None) -> dict[str, str]:
+    """A CA, a bookie certificate for 127.0.0.1 and localhost, a client certificate and a token
+    file (mode 600) under ``d``; files already there are kept (a restarted cluster keeps its
+    credentials). ``ca``: a ``tools.pki.LocalPki`` whose certificates to use (``scroll standalone
+    --secure`` shares one CA for everything), a ``trustme.CA`` (tests), or None: a ``LocalPki`` in
+    ``d``. Returns the paths by name."""
+    import secrets
+
+    from .pki import LocalPki
+
+    d.mkdir(parents=True, exist_ok=True)
+    names = {"ca": "ca.pem", "bookie_cert": "bookie.pem", "bookie_key": "bookie.key", "client_cert": "client.pem",
+             "client_key": "client.key", "token": "token", "tokens": "tokens"}
+    paths = {k: str(d / v) for k, v in names.items()}
+    if ca is None or isinstance(ca, LocalPki):
+        pki = (ca or LocalPki(d)).ensure()
+        paths.update(ca=str(pki.ca), bookie_cert=str(pki.server_cert), bookie_key=str(pki.server_key),
+                     client_cert=str(pki.client_cert), client_key=str(pki.client_key))
+    elif not all(Path(paths[k]).is_file() for k in ("ca", "bookie_cert", "bookie_key", "client_cert", "client_key")):
+        ca.cert_pem.write_to_path(paths["ca"])  # a trustme.CA (tests)
+        server = ca.issue_cert("127.0.0.1", "localhost")
+        server.private_key_and_cert_chain_pem.write_to_path(paths["bookie_cert"])
+        server.private_key_pem.write_to_path(paths["bookie_key"])
+        client = ca.issue_cert("scroll-client")
+        client.cert_chain_pems[0].write_to_path(paths["client_cert"])
+        client.private_key_pem.write_to_path(paths["client_key"])
+        for name in ("bookie_key", "client_key"):
+            os.chmod(paths[name], 0o600)
+    if not (Path(paths["token"]).is_file() and Path(paths["tokens"]).is_file()):
+        token = secrets.token_urlsafe(32)
+        for name, text in (("token", token + "\n"), ("tokens", f"# accepted bookie tokens\n{token}\n")):
+            fd = os.open(paths[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+    return paths

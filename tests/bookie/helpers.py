@@ -22,7 +22,19 @@ ROOT = Path(__file__).resolve().parents[2]
 READY_RE = re.compile(r"bookie ready id=(\S+) address=(\S+).* data_port=(\d+)")
 # the `scroll` entry point of this interpreter's environment (.venv/bin/scroll)
 _SCRIPT = Path(sys.executable).with_name("scroll")
-SCROLL = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-c", "from streams.tools.cli import main; main()"]
+
+
+def _script_runs(script: Path) -> bool:
+    """The entry point exists and its interpreter too (a venv shared by worktrees may hold a script
+    written by another one's install)."""
+    try:
+        first = script.read_text(errors="replace").splitlines()[0]
+    except (OSError, IndexError):
+        return False
+    return not first.startswith("#!") or Path(first[2:].split()[0]).exists()
+
+
+SCROLL = [str(_SCRIPT)] if _script_runs(_SCRIPT) else [sys.executable, "-c", "from streams.tools.cli import main; main()"]
 
 # Small files and caches so that rotation, flush and GC paths run in tests.
 SMALL = dict(
