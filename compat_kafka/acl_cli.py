@@ -33,7 +33,8 @@ def _show(b: AclBinding) -> str:
             f"{b.operation.name}\t{b.permission.name}")
 
 
-_metadata = click.option("--metadata", "metadata_url", required=True, help="metadata store URL, e.g. etcd://127.0.0.1:2379")
+_metadata = click.option("--metadata", "metadata_url", required=True, envvar="SCROLL_METADATA",
+                         help="metadata store URL, e.g. etcd://127.0.0.1:2379 (or SCROLL_METADATA)")
 
 
 @click.group("acl")

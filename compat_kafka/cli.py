@@ -31,12 +31,12 @@ from .server import KafkaServer, ListenerConfig, ServerConfig, TlsConfig
 
 async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,
                 started: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                on_start: Callable[[KafkaServer], None] | None = None, metrics=None) -> None:
+                on_start: Callable[[KafkaServer], None] | None = None, metrics=None, security=None) -> None:
     """Run until ``stop`` is set (or SIGINT/SIGTERM when it is None); ``on_start`` is given the
     server once it listens (tests look inside)."""
     from streams.client import connect
 
-    client = await connect(metadata_url)
+    client = await connect(metadata_url, security=security)  # security: towards secured bookies
     server = KafkaServer(Broker(client, broker_config), server_config)
     try:
         await server.start()
@@ -58,6 +58,14 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
         await client.close()
 
 
+def _bookie_security():
+    """The bookie credentials of ``scroll``'s global options (``--tls-ca``, ``--token-file``, ... or
+    ``SCROLL_TLS_CA``, ``SCROLL_TOKEN_FILE``, ...), None without any."""
+    from streams.tools.cli import _security
+
+    return _security()
+
+
 async def _point_metrics(metrics, server: KafkaServer) -> None:
     """The lag metrics scrape this listener over Kafka: through a PLAINTEXT listener if there is
     one, else as the brokers' own identity over the first listener (interbroker.py)."""
@@ -76,7 +84,9 @@ async def _point_metrics(metrics, server: KafkaServer) -> None:
 
 
 @click.group("kafka", invoke_without_command=True)
-@click.option("--metadata", "metadata_url", default=None, help="metadata store URL, e.g. etcd://127.0.0.1:2379")
+@click.option("--metadata", "metadata_url", default=None, envvar="SCROLL_METADATA",
+              help="metadata store URL, e.g. etcd://127.0.0.1:2379 (or SCROLL_METADATA: keeps a password "
+                   "off the command line)")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", default=9092, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--advertised-host", default="127.0.0.1", show_default=True,
@@ -174,7 +184,7 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
         except OSError as exc:
             raise click.BadParameter(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
     try:
-        asyncio.run(serve(metadata_url, server_config, broker_config, metrics=metrics))
+        asyncio.run(serve(metadata_url, server_config, broker_config, metrics=metrics, security=_bookie_security()))
     finally:
         if metrics is not None:
             metrics.close()
@@ -209,8 +219,8 @@ def _with_store(metadata_url: str, fn):
     return asyncio.run(main())
 
 
-_metadata_option = click.option("--metadata", "metadata_url", required=True,
-                                help="metadata store URL, e.g. etcd://127.0.0.1:2379")
+_metadata_option = click.option("--metadata", "metadata_url", required=True, envvar="SCROLL_METADATA",
+                                help="metadata store URL, e.g. etcd://127.0.0.1:2379 (or SCROLL_METADATA)")
 
 
 @click.group("user")

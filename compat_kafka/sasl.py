@@ -175,6 +175,20 @@ async def load_credential(store, user: str, mechanism: str) -> ScramCredential |
 
 
 # ---------------------------------------------------------------- one connection's exchange
+def _tolerate_doubled_client_nonce(server, client_final: str) -> None:
+    """librdkafka before 2.3 (Debian's kcat) sends its nonce twice in the client-final message
+    (``r=<client nonce><client nonce><server nonce>``); Kafka's broker accepts a final nonce that
+    *ends with* the one it sent, and so do we: the client's proof is still checked over the
+    messages as they were sent (the auth message takes the client-final as received), so nothing
+    else is relaxed. scramp compares the whole nonce, so it is told the nonce it will see."""
+    sent = str(server.nonce) if server.nonce is not None else ""
+    got = next((a[2:] for a in client_final.split(",") if a.startswith("r=")), None)
+    if sent and got is not None and got != sent and got.endswith(sent):
+        from scramp.core import Nonce  # the type scramp compares with
+
+        server.nonce = Nonce(got)
+
+
 class AuthenticationFailed(Exception):
     pass
 
@@ -230,8 +244,10 @@ class SaslSession:
             raise _failed(self.mechanism) from exc
 
     def _scram_final(self, token: bytes) -> bytes:
+        msg = token.decode("utf-8", "replace")
         try:
-            self._scram.set_client_final(token.decode("utf-8", "replace"))
+            _tolerate_doubled_client_nonce(self._scram, msg)
+            self._scram.set_client_final(msg)
             final = self._scram.get_server_final()
         except ScramException as exc:
             raise _failed(self.mechanism) from exc

@@ -321,7 +321,7 @@ class KafkaServer:
         try:
             token = await session[0].step(req.body.auth_bytes)
         except sasl.AuthenticationFailed as exc:
-            log.warning("SASL authentication failed from %s: %s", peer, exc)
+            log.warning("SASL authentication failed from %s: %s (%s)", peer, exc, exc.__cause__ or "wrong credentials")
             await asyncio.sleep(sasl.FAILURE_DELAY_S)  # this connection only
             return codec.build(resp_cls, error_code=ErrorCode.sasl_authentication_failed, error_message=str(exc),
                                auth_bytes=b""), True

@@ -239,3 +239,23 @@ def read_accepted_tokens(path: str | Path) -> tuple[bytes, ...]:
     if mode & 0o077:
         log.warning("the token file %s is readable by other users (mode %o): chmod 600 it", path, mode & 0o777)
     return tokens
+
+
+def read_client_properties(path: str | Path) -> dict[str, str]:
+    """A ``key=value`` file of client settings (``#`` comments): ``metadata`` plus the credential
+    options (``tls.ca``, ``tls.cert``, ``tls.key``, ``token``, ``token.file``, ``user``,
+    ``password``), the names the Spark connector takes - ``scroll standalone --secure`` writes one
+    (``scroll-client.properties``). Spark: ``.options(**read_client_properties(path))``."""
+    out: dict[str, str] = {}
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SecurityConfigError(f"cannot read the client settings {path}: {exc.strerror}") from None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            if not sep:
+                raise SecurityConfigError(f"{path}: expected key=value, got {line[:40]!r}")
+            out[key.strip()] = value.strip()
+    return out

@@ -282,7 +282,7 @@ async def connect(metadata_url: str, *, security: ClientSecurity | None = None, 
     ``SCROLL_MALLOC_TUNING=0`` leaves malloc alone."""
     if os.environ.get("SCROLL_MALLOC_TUNING", "1") != "0":
         tune_malloc()
-    store = await open_store(metadata_url)
+    store = await open_store(metadata_url, security=security)  # etcd user/password and TLS, if given
     cluster = Cluster(store, add_timeout_s=add_timeout_s, call_timeout_s=call_timeout_s,
                       max_entry_bytes=max_entry_bytes, security=security)
     try:
@@ -291,3 +291,15 @@ async def connect(metadata_url: str, *, security: ClientSecurity | None = None, 
         await cluster.close()
         raise
     return ScrollClient(cluster)
+
+
+async def connect_properties(path, **options) -> ScrollClient:
+    """``connect`` with the metadata URL and credentials of a client settings file (``metadata=``,
+    ``tls.ca=``, ``token=``, ...: ``fragments.security.read_client_properties``), such as the
+    ``scroll-client.properties`` that ``scroll standalone --secure`` writes."""
+    from fragments.security import ClientSecurity, read_client_properties
+
+    props = read_client_properties(path)
+    if not props.get("metadata"):
+        raise ValueError(f"{path}: no metadata= line (the metadata store URL)")
+    return await connect(props["metadata"], security=ClientSecurity.from_options(props), **options)

@@ -6,7 +6,8 @@
             p.append(b"hello")
         for r in client.consumer("orders").read(100): ...
 
-    # a secured cluster: connect("etcd://...", security=ClientSecurity(tls_ca="ca.pem", token="..."))
+    # a secured cluster: connect("etcds://...", security=ClientSecurity(tls_ca="ca.pem", token="..."))
+    # or with a settings file: connect_properties("scroll-data/scroll-client.properties")
 
 One background thread runs an asyncio loop; every call is submitted to it and waited for.
 """
@@ -109,10 +110,11 @@ class SyncConsumer:
 
 
 class SyncClient:
-    def __init__(self, metadata_url: str, **options):
+    def __init__(self, metadata_url: str | None, properties=None, **options):
         self._loop = _Loop()
         try:
-            self._c = self._loop.run(aclient.connect(metadata_url, **options))
+            self._c = self._loop.run(aclient.connect_properties(properties, **options) if properties is not None
+                                     else aclient.connect(metadata_url, **options))
         except BaseException:
             self._loop.stop()
             raise
@@ -176,3 +178,8 @@ class SyncClient:
 
 def connect(metadata_url: str, **options) -> SyncClient:
     return SyncClient(metadata_url, **options)
+
+
+def connect_properties(path, **options) -> SyncClient:
+    """Connect with a client settings file (``scroll-client.properties`` of ``scroll standalone --secure``)."""
+    return SyncClient(None, properties=path, **options)

@@ -11,6 +11,14 @@ and the restart is counted and logged; Ctrl-C (SIGINT) or SIGTERM stops the Kafk
 bookies and etcd, in that order, and waits for each. Starting again on the same directory keeps
 the data. Ports already in use fail fast with a message naming the option that moves them.
 
+``--secure`` turns on TLS and authentication everywhere (``Secure`` below): a local CA and
+certificates under ``<data-dir>/pki`` (``tools/pki.py``), etcd over TLS with auth on, bookies over
+TLS requiring a token (``<data-dir>/security/token``), the Kafka listener as SASL_SSL only (SCRAM
+and PLAIN, ACLs on, ``admin`` a super user with a random password) and the client settings in
+``<data-dir>/client.properties`` (Kafka: kcat -F, librdkafka) and ``<data-dir>/scroll-client.properties``
+(the streams API and the Spark connector; it holds etcd's password: mode 0600, like the keys).
+Secrets never go on a command line: children get the metadata URL through ``SCROLL_METADATA``.
+
 ``--etcd-auth`` (off by default) runs etcd with its auth on: user ``root`` with a random password
 kept in ``<data-dir>/etcd/root.password`` (mode 0600, reused on restart); the bookies and the Kafka
 listener get a metadata URL carrying it, and the banner shows that URL with the password redacted.
@@ -55,6 +63,7 @@ class StandaloneConfig:
     restart_children: bool = True
     extra_kafka_args: list[str] = field(default_factory=list)
     etcd_auth: bool = False  # etcd with auth on: root's password in <data-dir>/etcd/root.password
+    secure: bool = False  # TLS and authentication everywhere (implies etcd_auth)
 
     @property
     def bookie_ports(self) -> list[int]:
@@ -109,14 +118,78 @@ def _etcd_password(data_dir: Path) -> str:
     return password
 
 
+ADMIN_USER = "admin"
+KAFKA_MECHANISMS = "SCRAM-SHA-256,SCRAM-SHA-512,PLAIN"
+
+
+def _write_secret_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (replacing it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class Secure:
+    """What ``--secure`` adds: the PKI, the admin user and the client settings files."""
+
+    def __init__(self, data_dir: Path):
+        from .pki import LocalPki
+
+        self.dir = data_dir
+        self.pki = LocalPki(data_dir / "pki")
+        self.kafka_properties = data_dir / "client.properties"
+        self.scroll_properties = data_dir / "scroll-client.properties"
+
+    def admin_password(self) -> str:
+        """The admin's Kafka password: the one in client.properties, or a new random one."""
+        from compat_kafka.client_security import read_properties
+
+        if self.kafka_properties.exists():
+            pw = read_properties(self.kafka_properties).get("sasl.password")
+            if pw:
+                return pw
+        return secrets.token_urlsafe(18)
+
+    def write_properties(self, kafka_port: int, password: str, metadata_url: str, security) -> None:
+        ca = str(self.pki.ca)
+        _write_secret_file(self.kafka_properties, "\n".join([
+            "# Kafka client settings of this `scroll standalone --secure` (kcat -F, librdkafka, confluent-kafka,",
+            "# scroll kafka groups --command-config). The admin user is a super user; add users with",
+            "# `scroll kafka user add` and grant them ACLs with `scroll kafka acl add`.",
+            f"bootstrap.servers=127.0.0.1:{kafka_port}",
+            "security.protocol=SASL_SSL",
+            "sasl.mechanism=SCRAM-SHA-256",
+            f"sasl.username={ADMIN_USER}",
+            f"sasl.password={password}",
+            f"ssl.ca.location={ca}",
+            ""]))
+        _write_secret_file(self.scroll_properties, "\n".join([
+            "# Settings of the streams API and the Spark connector for this `scroll standalone --secure`",
+            "# (the same names as the Spark options; fragments.security.read_client_properties reads them).",
+            f"metadata={metadata_url}",
+            f"tls.ca={security.tls_ca}",
+            f"token={security.token}",
+            ""]))
+
+
 class Standalone:
     def __init__(self, config: StandaloneConfig):
         self.config = config
         self.dir = config.data_dir.resolve()
-        password = _etcd_password(self.dir) if config.etcd_auth else None
+        self.secure = Secure(self.dir) if config.secure else None
+        password = _etcd_password(self.dir) if (config.etcd_auth or config.secure) else None
+        extra = {}
+        if self.secure is not None:
+            from .localcluster import EtcdTLSFiles
+
+            pki = self.secure.pki.ensure()
+            extra = {"etcd_tls": EtcdTLSFiles(cert=str(pki.server_cert), key=str(pki.server_key), ca=str(pki.ca)),
+                     "secure_bookies": "token", "bookie_ca": pki}
         self.cluster = LocalCluster(self.dir, bookies=config.bookies, etcd_port=config.etcd_port,
                                     etcd_peer_port=config.etcd_peer_port, bookie_ports=config.bookie_ports,
-                                    bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password)
+                                    bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password, **extra)
         self.kafka: Proc | None = None
         self.restarts: dict[str, int] = {}
         self._metrics = None
@@ -134,22 +207,57 @@ class Standalone:
         self.check_ports()
         try:
             self.cluster.start(timeout_s)
+            if self.secure is not None:
+                self._secure_setup()
             self.kafka = self._kafka_proc()
             self._start_kafka(timeout_s)
         except BaseException:
             self.stop()
             raise
 
+    def _secure_setup(self) -> None:
+        """The admin user (SCRAM credentials in the metadata store) and the client settings files."""
+        from compat_kafka import sasl
+        from fragments.stores import open_store
+
+        password = self.secure.admin_password()
+
+        async def add_admin() -> None:
+            store = await open_store(self.cluster.metadata_url)
+            try:
+                await sasl.add_user(store, ADMIN_USER, password)
+            finally:
+                await store.close()
+
+        asyncio.run(add_admin())
+        self.secure.write_properties(self.config.kafka_port, password, self.cluster.metadata_url,
+                                     self.cluster.client_security)
+
     def _kafka_proc(self) -> Proc:
         c = self.config
-        args = [sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", self.cluster.metadata_url,
-                "--host", "127.0.0.1",
+        args = [sys.executable, "-m", "streams.tools.cli", "kafka", "--host", "127.0.0.1",
                 "--port", str(c.kafka_port), "--default-partitions", str(c.default_partitions),
-                "--metrics-port", str(c.kafka_metrics_port), *c.extra_kafka_args]
-        return Proc("kafka", args, c.kafka_port, self.dir / "kafka" / "kafka.log")
+                "--metrics-port", str(c.kafka_metrics_port)]
+        if self.secure is not None:
+            pki = self.secure.pki
+            args += ["--listener", f"SASL_SSL://127.0.0.1:{c.kafka_port}", "--ssl-cert", str(pki.server_cert),
+                     "--ssl-key", str(pki.server_key), "--sasl-mechanisms", KAFKA_MECHANISMS, "--acls",
+                     "--super-users", f"User:{ADMIN_USER}", "--inter-broker-ca", str(pki.ca)]
+        return Proc("kafka", [*args, *c.extra_kafka_args], c.kafka_port, self.dir / "kafka" / "kafka.log")
+
+    def _kafka_env(self) -> dict:
+        """The listener's environment: the metadata URL (it may hold etcd's password: never on the
+        command line) and, when secured, the bookies' CA and token."""
+        env = self._child_env()
+        env["SCROLL_METADATA"] = self.cluster.metadata_url
+        sec = self.cluster.client_security
+        if sec is not None:
+            env["SCROLL_TLS_CA"] = sec.tls_ca
+            env["SCROLL_TOKEN_FILE"] = str(self.dir / "security" / "token")
+        return env
 
     def _start_kafka(self, timeout_s: float) -> None:
-        self.kafka.start(self._child_env())
+        self.kafka.start(self._kafka_env())
         _wait_port(self.config.kafka_port, self.kafka.popen, "the Kafka listener", timeout_s, self.kafka.log)
 
     def stop(self) -> None:
@@ -185,7 +293,7 @@ class Standalone:
         if self.kafka is not None and not self.kafka.alive:
             log.warning("the Kafka listener exited (%s); restarting it. Log: %s\n%s", self.kafka.popen.returncode,
                         self.kafka.log, _tail(self.kafka.log, 5))
-            self.kafka.start(self._child_env())
+            self.kafka.start(self._kafka_env())
             restarted.append("kafka")
         for name in restarted:
             self.restarts[name] = self.restarts.get(name, 0) + 1
@@ -250,6 +358,8 @@ class Standalone:
             pw_file = etcd_password_file(self.dir)
             metadata = f"{redact_url(self.cluster.metadata_url)}  (etcd auth on; root's password in {pw_file})"
             url = f"etcd://root:' + open('{pw_file}').read().strip() + '@127.0.0.1:{c.etcd_port}"
+        if self.secure is not None:
+            return self._secure_banner(bookies, bmetrics)
         return "\n".join([
             f"{READY_LINE}  (data in {self.dir}; Ctrl-C stops everything)",
             f"  metadata (etcd)  {metadata}",
@@ -266,10 +376,33 @@ class Standalone:
             "print([(r.offset, r.value) for r in c.consumer('greetings').read(10)])\"",
         ])
 
+    def _secure_banner(self, bookies: str, bmetrics: str) -> str:
+        c, s = self.config, self.secure
+        kp, sp = s.kafka_properties, s.scroll_properties
+        return "\n".join([
+            f"{READY_LINE}  (secure; data in {self.dir}; Ctrl-C stops everything)",
+            f"  metadata (etcd)  {redact_url(self.cluster.metadata_url)}  (TLS, auth on; the full URL is in {sp})",
+            f"  bookies          {bookies}  (TLS, token required)",
+            f"  kafka            SASL_SSL 127.0.0.1:{c.kafka_port}  (user {ADMIN_USER}, a super user; ACLs on)",
+            f"  client settings  {kp} (Kafka), {sp} (streams API, Spark)  - both mode 0600",
+            f"  CA certificate   {s.pki.ca}",
+            f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics}; Kafka "
+            f"consumer group lag: http://127.0.0.1:{c.kafka_metrics_port}/metrics)",
+            f"  retention        every {c.retention_interval_s:g} s",
+            f"  logs             {self.dir}/*/*.log",
+            "try it:",
+            f"  echo hello | kcat -F {kp} -t greetings -P && kcat -F {kp} -t greetings -C -e",
+            f"  .venv/bin/python -c \"import streams.sync as s; c = s.connect_properties('{sp}'); "
+            "print([(r.offset, r.value) for r in c.consumer('greetings').read(10)])\"",
+            f"  Spark: spark.read.format('scroll').options(**read_client_properties('{sp}'))"
+            ".option('topics', 'greetings').load()   # from fragments.security import read_client_properties",
+            f"  scroll kafka groups list --command-config {kp}",
+        ])
+
     async def run_forever(self, stop: asyncio.Event) -> None:
         from ..client import connect
 
-        client = await connect(self.cluster.metadata_url)
+        client = await connect(self.cluster.metadata_url, security=self.cluster.client_security)
         next_retention = time.monotonic() + min(10.0, self.config.retention_interval_s)
         next_stream_metrics = 0.0
         backoff_until = 0.0
@@ -377,11 +510,15 @@ def run(config: StandaloneConfig) -> None:
               help="Seconds between retention runs.")
 @click.option("--default-partitions", default=1, show_default=True, type=click.IntRange(1, 1000),
               help="Partitions of a Kafka topic created on first use.")
+@click.option("--secure", is_flag=True,
+              help="TLS and authentication everywhere: a local CA under <data-dir>/pki, etcd with TLS and auth, "
+                   "bookies with TLS and a token, Kafka as SASL_SSL with ACLs and an admin user; client settings in "
+                   "<data-dir>/client.properties (kcat -F) and <data-dir>/scroll-client.properties.")
 @click.option("--etcd-auth", is_flag=True,
               help="Run etcd with its auth on (user root, a random password kept in <data-dir>/etcd/root.password).")
 def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_peer_port: int, bookie_base_port: int,
                        metrics_port: int, bookies: int, retention_interval_s: float, default_partitions: int,
-                       etcd_auth: bool) -> None:
+                       secure: bool, etcd_auth: bool) -> None:
     """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
     127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
 
@@ -389,6 +526,7 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
     Examples:
       scroll standalone
       scroll standalone --data-dir /var/lib/scroll --kafka-port 19092
+      scroll standalone --secure
       scroll standalone --etcd-auth
     """
     if retention_interval_s <= 0:
@@ -396,4 +534,4 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
     run(StandaloneConfig(data_dir=data_dir, kafka_port=kafka_port, etcd_port=etcd_port, etcd_peer_port=etcd_peer_port,
                          bookie_base_port=bookie_base_port, metrics_port=metrics_port, bookies=bookies,
                          retention_interval_s=retention_interval_s, default_partitions=default_partitions,
-                         etcd_auth=etcd_auth))
+                         etcd_auth=etcd_auth, secure=secure))
