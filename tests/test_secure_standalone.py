@@ -247,3 +247,22 @@ def _security(props: dict, **override):
 
     d = {"tls_ca": props["tls.ca"], "token": props["token"]} | override
     return ClientSecurity(**d)
+
+
+def test_a_restart_keeps_the_credentials_and_the_data(secure):
+    """Ctrl-C, start again on the same directory: the same CA, the same passwords and token (the
+    settings files are unchanged), and the records are still there."""
+    from streams import sync
+
+    files = [secure.data / n for n in ("client.properties", "scroll-client.properties", "pki/ca.pem")]
+    before = [f.read_bytes() for f in files]
+    secure.stop()
+    again = Secure(secure.data, secure.ports)
+    try:
+        again.wait_ready()
+        assert [f.read_bytes() for f in files] == before
+        with sync.connect_properties(secure.data / "scroll-client.properties") as client:
+            assert [r.value for r in client.consumer("orders").read(5)] == [b"o%d" % i for i in range(5)]
+        assert _end_offset(_kafka_conf(again), "orders") == 5
+    finally:
+        again.stop()
