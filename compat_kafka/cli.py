@@ -230,7 +230,8 @@ def user_command() -> None:
 
 @user_command.command("add")
 @click.argument("name")
-@click.option("--password", prompt=True, hide_input=True, confirmation_prompt=True)
+@click.option("--password", prompt=True, hide_input=True, confirmation_prompt=True, envvar="SCROLL_KAFKA_PASSWORD",
+              help="the password (prompted for without it; or SCROLL_KAFKA_PASSWORD: keeps it off the command line)")
 @click.option("--mechanism", "mechanisms", multiple=True, type=click.Choice(sasl.SCRAM_MECHANISMS),
               help="credential to store (repeatable) [default: both; PLAIN uses SCRAM-SHA-256]")
 @click.option("--iterations", default=sasl.DEFAULT_ITERATIONS, show_default=True, type=click.IntRange(4096, 10**6))

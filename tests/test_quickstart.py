@@ -6,7 +6,6 @@ start it again on the same data directory and find everything still there."""
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import socket
@@ -18,19 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import port_block
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(Path(sys.executable))
 
 pytestmark = pytest.mark.process
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def _listening(port: int) -> bool:
@@ -41,11 +33,8 @@ def _listening(port: int) -> bool:
 
 def _ports() -> dict[str, int]:
     """A block of consecutive free ports: etcd, etcd peer, kafka, 3 bookies, metrics + 3."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000, 16)
-        if all(_free(base + i) for i in range(10)):
-            return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6}
-    raise RuntimeError("no free port block")
+    base = port_block(10)
+    return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6}
 
 
 class Run:

@@ -8,9 +8,7 @@ same directory keeps the credentials and the data."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -20,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from compat_kafka.client_security import read_properties
+from tests.ports import port_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -28,19 +27,8 @@ pytestmark = pytest.mark.process
 
 
 def _ports() -> dict[str, int]:
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-            return True
-
-    for _ in range(200):
-        base = random.randrange(20000, 60000, 16)
-        if all(free(base + i) for i in range(10)):
-            return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6}
-    raise RuntimeError("no free port block")
+    base = port_block(10)
+    return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6}
 
 
 class Secure:

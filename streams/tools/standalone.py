@@ -33,6 +33,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -144,10 +145,10 @@ class Secure:
 
     def admin_password(self) -> str:
         """The admin's Kafka password: the one in client.properties, or a new random one."""
-        from compat_kafka.client_security import read_properties
+        from fragments.security import read_client_properties
 
         if self.kafka_properties.exists():
-            pw = read_properties(self.kafka_properties).get("sasl.password")
+            pw = read_client_properties(self.kafka_properties).get("sasl.password")
             if pw:
                 return pw
         return secrets.token_urlsafe(18)
@@ -216,20 +217,14 @@ class Standalone:
             raise
 
     def _secure_setup(self) -> None:
-        """The admin user (SCRAM credentials in the metadata store) and the client settings files."""
-        from compat_kafka import sasl
-        from fragments.stores import open_store
-
+        """The admin user (its SCRAM credentials in the metadata store, through ``scroll kafka user
+        add``: the password in the environment, never on a command line) and the settings files."""
         password = self.secure.admin_password()
-
-        async def add_admin() -> None:
-            store = await open_store(self.cluster.metadata_url)
-            try:
-                await sasl.add_user(store, ADMIN_USER, password)
-            finally:
-                await store.close()
-
-        asyncio.run(add_admin())
+        env = {**self._child_env(), "SCROLL_METADATA": self.cluster.metadata_url, "SCROLL_KAFKA_PASSWORD": password}
+        r = subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "user", "add", ADMIN_USER],
+                           env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        if r.returncode != 0:
+            raise ClusterError(f"could not create the Kafka admin user: {r.stderr.strip()[-500:]}")
         self.secure.write_properties(self.config.kafka_port, password, self.cluster.metadata_url,
                                      self.cluster.client_security)
 

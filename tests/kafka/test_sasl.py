@@ -237,14 +237,19 @@ def test_aiokafka_and_kafka_python_authenticate(sasl_shim):
     assert _end_offset(sasl_shim.bootstrap, "t-kp", _sasl("PLAIN")) == 1
 
 
-def test_sasl_over_tls(sasl_cluster, users, tmp_path):
+def _server_certificate(d) -> None:
+    """ca.pem, and server.pem/server.key for 127.0.0.1 and localhost, in ``d`` (a test CA)."""
     ca = trustme.CA()
     server = ca.issue_cert("127.0.0.1", "localhost")
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    server.private_key_pem.write_to_path(str(tmp_path / "server.key"))
-    with open(tmp_path / "server.pem", "wb") as f:
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    server.private_key_pem.write_to_path(str(d / "server.key"))
+    with open(d / "server.pem", "wb") as f:
         for blob in server.cert_chain_pems:
             f.write(blob.bytes())
+
+
+def test_sasl_over_tls(sasl_cluster, users, tmp_path):
+    _server_certificate(tmp_path)
     shim = ShimProcess(sasl_cluster.metadata_url, tmp_path, "--sasl-mechanisms", "SCRAM-SHA-512",
                        "--ssl-cert", str(tmp_path / "server.pem"), "--ssl-key", str(tmp_path / "server.key"))
     shim.start_and_wait()
@@ -301,13 +306,7 @@ def test_plaintext_listener_beside_sasl_ssl(sasl_cluster, users, tmp_path):
     """Two listeners in one process (Kafka's ``listeners``): each answers Metadata with the brokers'
     addresses on the listener the client came in on, so a SASL_SSL client stays on SASL_SSL and a
     PLAINTEXT client on PLAINTEXT; both read the same log."""
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    server.private_key_pem.write_to_path(str(tmp_path / "server.key"))
-    with open(tmp_path / "server.pem", "wb") as f:
-        for blob in server.cert_chain_pems:
-            f.write(blob.bytes())
+    _server_certificate(tmp_path)
     secure_port = free_port()
     shim = ShimProcess(sasl_cluster.metadata_url, tmp_path, "--sasl-mechanisms", "SCRAM-SHA-256",
                        "--ssl-cert", str(tmp_path / "server.pem"), "--ssl-key", str(tmp_path / "server.key"))
@@ -338,13 +337,7 @@ def test_transaction_markers_cross_sasl_ssl_listeners(sasl_cluster, users, tmp_p
     against --inter-broker-ca) and SASL (the brokers' own identity from the metadata store)."""
     from confluent_kafka.admin import NewTopic
 
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    server.private_key_pem.write_to_path(str(tmp_path / "server.key"))
-    with open(tmp_path / "server.pem", "wb") as f:
-        for blob in server.cert_chain_pems:
-            f.write(blob.bytes())
+    _server_certificate(tmp_path)
     shims = []
     for _ in range(2):
         s = ShimProcess(sasl_cluster.metadata_url, tmp_path, "--sasl-mechanisms", "SCRAM-SHA-512",

@@ -8,6 +8,7 @@ import pytest
 from fragments.store import MetadataAuthError
 from streams.sync import connect
 from streams.tools.localcluster import LocalCluster
+from tests.ports import port_block
 
 pytestmark = pytest.mark.process
 
@@ -32,31 +33,12 @@ def test_produce_and_read_with_etcd_auth(tmp_path):
             connect(f"etcd://127.0.0.1:{cluster.etcd_port}", add_timeout_s=5.0, call_timeout_s=5.0)
 
 
-def _port_block(n: int) -> int:
-    import random
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-            return True
-
-    for _ in range(200):
-        base = random.randrange(20000, 60000, 16)
-        if all(free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free port block")
-
-
 def test_standalone_with_etcd_auth(tmp_path):
     import stat
 
     from streams.tools.standalone import Standalone, StandaloneConfig, etcd_password_file
 
-    base = _port_block(10)
+    base = port_block(10)
     config = StandaloneConfig(data_dir=tmp_path, etcd_port=base, etcd_peer_port=base + 1, kafka_port=base + 2,
                               bookie_base_port=base + 3, metrics_port=base + 5, bookies=2, etcd_auth=True)
     sa = Standalone(config)
