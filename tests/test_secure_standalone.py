@@ -157,6 +157,12 @@ def test_confluent_kafka_produce_group_consume_and_acls(secure):
                         str(secure.data / "client.properties")], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert '"committed": 5' in r.stdout, r.stdout
+    # the listener's lag metrics reach its own SASL_SSL listener (as the brokers' identity)
+    import urllib.request
+
+    url = f"http://127.0.0.1:{secure.ports['metrics'] + 4}/metrics"
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    assert 'scroll_kafka_group_lag_sum{group="billing"} 0.0' in text, text[-2000:]
     with pytest.raises(KafkaException):
         admin.create_acls([AclBinding(ResourceType.TOPIC, "x", ResourcePatternType.LITERAL, "bad-principal", "*",
                                       AclOperation.READ, AclPermissionType.ALLOW)])[
