@@ -22,6 +22,8 @@ from pathlib import Path
 from kio.schema.errors import ErrorCode
 from scramp import ScramClient, ScramException
 
+from fragments.security import read_client_properties as read_properties
+
 from . import codec
 
 _SIZE = struct.Struct(">i")
@@ -30,20 +32,6 @@ PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 
 class ClientAuthError(Exception):
     """The listener refused the TLS handshake or the SASL credentials (or they are misconfigured)."""
-
-
-def read_properties(path: str | Path) -> dict[str, str]:
-    """A Java-style ``key=value`` file (``#``/``!`` comments, blank lines), as librdkafka's ``-F``."""
-    out: dict[str, str] = {}
-    for raw in Path(path).read_text().splitlines():
-        line = raw.strip()
-        if not line or line[0] in "#!":
-            continue
-        key, sep, value = line.partition("=")
-        if not sep:
-            key, sep, value = line.partition(":")
-        out[key.strip()] = value.strip()
-    return out
 
 
 @dataclass(frozen=True)

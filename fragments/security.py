@@ -242,10 +242,11 @@ def read_accepted_tokens(path: str | Path) -> tuple[bytes, ...]:
 
 
 def read_client_properties(path: str | Path) -> dict[str, str]:
-    """A ``key=value`` file of client settings (``#`` comments): ``metadata`` plus the credential
-    options (``tls.ca``, ``tls.cert``, ``tls.key``, ``token``, ``token.file``, ``user``,
-    ``password``), the names the Spark connector takes - ``scroll standalone --secure`` writes one
-    (``scroll-client.properties``). Spark: ``.options(**read_client_properties(path))``."""
+    """A ``key=value`` settings file, Java-properties style (``#``/``!`` comments, ``=`` or ``:``), as
+    librdkafka's ``-F`` reads: the Kafka ``client.properties`` and the ``scroll-client.properties``
+    (``metadata`` plus the credential options ``tls.ca``, ``tls.cert``, ``tls.key``, ``token``,
+    ``token.file``, ``user``, ``password``: the names the Spark connector takes, so Spark can use
+    ``.options(**read_client_properties(path))``) that ``scroll standalone --secure`` writes."""
     out: dict[str, str] = {}
     try:
         text = Path(path).read_text()
@@ -253,9 +254,10 @@ def read_client_properties(path: str | Path) -> dict[str, str]:
         raise SecurityConfigError(f"cannot read the client settings {path}: {exc.strerror}") from None
     for raw in text.splitlines():
         line = raw.strip()
-        if line and not line.startswith("#"):
-            key, sep, value = line.partition("=")
-            if not sep:
-                raise SecurityConfigError(f"{path}: expected key=value, got {line[:40]!r}")
-            out[key.strip()] = value.strip()
+        if not line or line[0] in "#!":
+            continue
+        sep = min((i for i in (line.find("="), line.find(":")) if i >= 0), default=-1)
+        if sep <= 0:
+            raise SecurityConfigError(f"{path}: expected key=value, got {line[:40]!r}")
+        out[line[:sep].strip()] = line[sep + 1:].strip()
     return out

@@ -5,9 +5,7 @@ start it again on the same data directory and find everything still there."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import port_block
+from tests.standalone_run import Run
+from tests.standalone_run import ports as _ports
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(Path(sys.executable))
@@ -29,56 +28,6 @@ def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _ports() -> dict[str, int]:
-    """A block of consecutive free ports: etcd, etcd peer, kafka, 3 bookies, metrics + 3."""
-    base = port_block(10)
-    return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6}
-
-
-class Run:
-    def __init__(self, data: Path, ports: dict[str, int]):
-        args = (f"--data-dir {data} --etcd-port {ports['etcd']} --etcd-peer-port {ports['peer']} "
-                f"--kafka-port {ports['kafka']} --bookie-port {ports['bookie']} --metrics-port {ports['metrics']} "
-                "--retention-interval 1")
-        self.log = data.parent / f"run-{time.monotonic_ns()}.log"
-        self.out = open(self.log, "wb")
-        self.p = subprocess.Popen(["make", "--no-print-directory", "run", f"ARGS={args}"], cwd=ROOT,
-                                  stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, timeout_s: float = 120) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            t = self.text()
-            if "scroll standalone ready" in t and "try it:" in t:
-                return t
-            if self.p.poll() is not None:
-                raise AssertionError(f"make run exited with {self.p.returncode}:\n{t}")
-            time.sleep(0.2)
-        raise AssertionError(f"not ready after {timeout_s}s:\n{self.text()}")
-
-    def ctrl_c(self, timeout_s: float = 60) -> str:
-        """SIGINT to the whole foreground process group, as a terminal's Ctrl-C; returns the log
-        once scroll standalone says it stopped (make itself then dies of the SIGINT, as usual)."""
-        os.killpg(self.p.pid, signal.SIGINT)
-        try:
-            self.p.wait(timeout_s)
-            deadline = time.monotonic() + timeout_s
-            while "stopped; data kept in" not in self.text() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            return self.text()
-        finally:
-            self.out.close()
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGKILL)
-            self.p.wait(10)
-        self.out.close()
 
 
 def _left_behind(data: Path, ports: dict[str, int]) -> list[str]:

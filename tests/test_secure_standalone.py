@@ -8,78 +8,41 @@ same directory keeps the credentials and the data."""
 from __future__ import annotations
 
 import os
-import signal
 import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from compat_kafka.client_security import read_properties
-from tests.ports import port_block
+from tests.standalone_run import ROOT, Run, ports
 
-ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 pytestmark = pytest.mark.process
 
 
-def _ports() -> dict[str, int]:
-    base = port_block(10)
-    return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6}
-
-
-class Secure:
-    def __init__(self, data: Path, ports: dict[str, int]):
-        self.data, self.ports = data, ports
-        self.log = data.parent / f"secure-{time.monotonic_ns()}.log"
-        out = open(self.log, "wb")
-        self.p = subprocess.Popen(
-            [PY, "-m", "streams.tools.cli", "standalone", "--secure", "--data-dir", str(data),
-             "--etcd-port", str(ports["etcd"]), "--etcd-peer-port", str(ports["peer"]),
-             "--kafka-port", str(ports["kafka"]), "--bookie-port", str(ports["bookie"]),
-             "--metrics-port", str(ports["metrics"]), "--retention-interval", "5"],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        out.close()
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, timeout_s: float = 120) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            t = self.text()
-            if "scroll standalone ready" in t and "try it:" in t:
-                return t
-            if self.p.poll() is not None:
-                raise AssertionError(f"scroll standalone --secure exited with {self.p.returncode}:\n{t}")
-            time.sleep(0.2)
-        raise AssertionError(f"not ready after {timeout_s}s:\n{self.text()}")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGINT)
-            try:
-                self.p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(10)
-
-
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
     d = tmp_path_factory.mktemp("secure")
-    run = Secure(d / "data", _ports())
+    run = Run(d / "data", ports(), "--secure")  # the README's `make run ARGS=--secure`
     try:
         run.wait_ready()
         yield run
     finally:
-        run.stop()
+        _stop(run)
 
 
-def _kafka_conf(run: Secure) -> dict:
+def _stop(run: Run) -> None:
+    if run.p.poll() is None:
+        try:
+            run.ctrl_c()
+        finally:
+            run.kill()
+
+
+def _kafka_conf(run: Run) -> dict:
     props = read_properties(run.data / "client.properties")
     return {k: v for k, v in props.items() if k != "bootstrap.servers"} | {"bootstrap.servers": props["bootstrap.servers"]}
 
@@ -250,8 +213,8 @@ def test_a_restart_keeps_the_credentials_and_the_data(secure):
 
     files = [secure.data / n for n in ("client.properties", "scroll-client.properties", "pki/ca.pem")]
     before = [f.read_bytes() for f in files]
-    secure.stop()
-    again = Secure(secure.data, secure.ports)
+    assert "stopped; data kept in" in secure.ctrl_c()
+    again = Run(secure.data, secure.ports, "--secure")
     try:
         again.wait_ready()
         assert [f.read_bytes() for f in files] == before
@@ -259,4 +222,4 @@ def test_a_restart_keeps_the_credentials_and_the_data(secure):
             assert [r.value for r in client.consumer("orders").read(5)] == [b"o%d" % i for i in range(5)]
         assert _end_offset(_kafka_conf(again), "orders") == 5
     finally:
-        again.stop()
+        _stop(again)
