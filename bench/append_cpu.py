@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -57,6 +58,7 @@ def main() -> None:
         asyncio.run(run(cluster.metadata_url, args.appends, args.rounds))
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -506,6 +507,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(results, indent=2))
     finally:
         cluster.stop()
+        shutil.rmtree(base / "scroll", ignore_errors=True)  # the data; logs and profiles stay
     return 0
 
 

@@ -27,6 +27,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -222,6 +223,7 @@ def main() -> int:
         print(f"raw: listener CPU per fetch, incremental session / full = {inc / full:.2f}", flush=True)
     finally:
         cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
     results["load_avg_end"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

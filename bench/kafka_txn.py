@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -202,6 +203,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             shim.kill()
         cluster.stop()
+        shutil.rmtree(base / "scroll", ignore_errors=True)  # the data; logs and profiles stay
 
 
 if __name__ == "__main__":

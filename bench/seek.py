@@ -20,6 +20,7 @@ import asyncio
 import math
 import pathlib
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -31,7 +32,8 @@ from tests.streams.test_inproc import start_cluster, stop_cluster  # noqa: E402
 
 
 async def main(args) -> None:
-    client, servers, regs = await start_cluster(pathlib.Path(tempfile.mkdtemp(prefix="scroll-seek-")))
+    work = pathlib.Path(tempfile.mkdtemp(prefix="scroll-seek-"))
+    client, servers, regs = await start_cluster(work)
     try:
         per_fragment = math.ceil(args.entries / args.fragments)
         await client.create_stream("s", ensemble=3, write_quorum=3, ack_quorum=2, fragment_entries_max=per_fragment)
@@ -76,6 +78,7 @@ async def main(args) -> None:
               f"log2(entries) = {math.log2(args.entries):.1f}")
     finally:
         await stop_cluster(client, servers, regs)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

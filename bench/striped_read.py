@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -24,7 +25,8 @@ from tests.streams.test_inproc import start_cluster, stop_cluster  # noqa: E402
 
 
 async def main(entries: int) -> None:
-    client, servers, regs = await start_cluster(pathlib.Path(tempfile.mkdtemp(prefix="scroll-striped-")))
+    work = pathlib.Path(tempfile.mkdtemp(prefix="scroll-striped-"))
+    client, servers, regs = await start_cluster(work)
     try:
         for name, e, wq in (("striped", 3, 2), ("plain", 3, 3)):
             await client.create_stream(name, ensemble=e, write_quorum=wq, ack_quorum=2)
@@ -44,6 +46,7 @@ async def main(entries: int) -> None:
         consumer_mod.STRIPED_RUNS = default
     finally:
         await stop_cluster(client, servers, regs)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
