@@ -2,9 +2,17 @@
 
 Chooses bookies for a new fragment or to replace failed members of the current one. Failed or
 excluded bookies are never chosen; kept members stay at their index (so write sets of carried
-entries do not move); among candidates we prefer the least-used bookies (usage counts what this
-placer has handed out, plus any load the caller reports), then distinct racks, with the seeded rng
-breaking ties so that a growing stream spreads over the whole cluster.
+entries do not move).
+
+Rack-aware, as BookKeeper's RackawareEnsemblePlacementPolicy: each pick goes to a rack that holds
+the fewest members of the ensemble so far (kept members included), so an ensemble spans
+min(size, racks) racks whenever the live bookies allow it, and losing a whole rack loses at most
+ceil(size / racks) copies of any entry. When racks cannot be spread (fewer racks than members, or
+every bookie of the other racks excluded or down) placement still succeeds, doubling up racks - a
+fragment on one rack beats no fragment (BookKeeper's ``enforceMinNumRacksPerWriteQuorum=false``).
+Bookies with no rack label count as racks of their own. Within the preferred racks we take the
+least-used bookies (usage counts what this placer has handed out, plus any load the caller
+reports), with the seeded rng breaking ties so that a growing stream spreads over the cluster.
 """
 
 from __future__ import annotations
@@ -51,20 +59,24 @@ class Placement:
                 f"need {need} more bookies, only {len(candidates)} available "
                 f"(excluded {sorted(exclude)}, kept {sorted(taken)})"
             )
-        racks = {self.bookies[b].rack for b in taken if b in self.bookies}
+        in_rack: dict[str, int] = {}  # members of this ensemble per rack so far
+        for b in taken:
+            if b in self.bookies and self.bookies[b].rack:
+                in_rack[self.bookies[b].rack] = in_rack.get(self.bookies[b].rack, 0) + 1
         picks: list[str] = []
         pool = list(candidates)
         for _ in range(need):
             pool.sort(
                 key=lambda b: (
+                    in_rack.get(b.rack, 0) if b.rack else 0,
                     self.usage.get(b.bookie_id, 0) + b.load,
-                    b.rack in racks and bool(b.rack),
                     self.rng.random(),
                 )
             )
             best = pool.pop(0)
             picks.append(best.bookie_id)
-            racks.add(best.rack)
+            if best.rack:
+                in_rack[best.rack] = in_rack.get(best.rack, 0) + 1
         it = iter(picks)
         ensemble = tuple(b if b is not None else next(it) for b in chosen)
         for b in picks:
