@@ -13,7 +13,8 @@ writer fails or another writer took the stream over. Fetch long-polls on this sh
 acknowledged appends, and on the bookies' LAC for read-only partitions.
 
 Several shims (``compat_kafka.ownership``): each registers as a broker under a lease and serves only
-the partitions it owns (claimed under its lease on first use when it is the preferred node);
+the partitions it owns (claimed under its lease on first use when it is the preferred node), and
+hands over those another live shim is now preferred for (``_rebalance_loop``, ``_hand_over``);
 Metadata names every live shim and each partition's owner as its leader, the lowest live node id
 as controller; Produce/Fetch/ListOffsets for a partition owned elsewhere answer
 NOT_LEADER_OR_FOLLOWER. Group coordinators are placed the same way (``coordinator_node``,

@@ -5,9 +5,10 @@ shims; by default one is allocated from the metadata store) advertising ``--adve
 its port, and serves the partitions it owns (see ``compat_kafka.ownership``). ``--lease-ttl`` is how
 long a dead shim keeps its partitions before the others take them over. A shim that joins later
 gets its share of the partitions: the others hand them over, ``--rebalance-batch`` at a time, once
-the live shims have been stable for ``--rebalance-delay`` (``--no-rebalance``: ownership stays sticky). ``--metrics-port`` serves
-Prometheus metrics (consumer group lag, ``metrics.py``). ``scroll kafka groups ...`` is the
-operators' view of consumer groups (``group_cli.py``), a client of a running listener.
+the live shims have been stable for ``--rebalance-delay`` (``--no-rebalance``: ownership stays
+sticky). ``--metrics-port`` serves Prometheus metrics (consumer group lag, ``metrics.py``).
+``scroll kafka groups ...`` is the operators' view of consumer groups (``group_cli.py``), a client
+of a running listener.
 ``--sasl-mechanisms`` turns on Kafka SASL (``sasl.py``); ``scroll kafka user add|remove|list``
 manages the SCRAM credentials in the metadata store.
 """
