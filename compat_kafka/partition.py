@@ -51,6 +51,12 @@ bounded by ``max_state_scan_entries``; beyond that the state is marked incomplet
 producers are then accepted at any sequence, as Kafka does for producers without state). The
 snapshot lives outside the stream's meta on purpose: the writer owns meta, and a separate key
 cannot disturb it.
+
+Hand-over (rebalancing onto another listener, ``Broker._hand_over``): ``retire`` refuses new appends
+and markers (NOT_LEADER_OR_FOLLOWER) and waits for the queued ones to be acknowledged or fail;
+``close`` then writes the snapshot, exact up to the high watermark, so the next owner's producer
+state answers a retry of any acknowledged batch as a duplicate. A partition with a transaction open
+is not handed over (``retire`` answers False and appends resume).
 """
 
 from __future__ import annotations

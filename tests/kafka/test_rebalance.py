@@ -216,3 +216,30 @@ def test_no_rebalance_keeps_ownership_sticky(listeners):
     assert handed_over(a, topic) == set() and claimed(b, topic) == set()
     assert metadata(b.bootstrap, topic)[1] == dict.fromkeys(range(parts), a_id)
 
+
+
+def test_partition_with_an_open_transaction_moves_after_it_ends(listeners):
+    from tests.kafka.test_transactions import read_all, txn_producer
+
+    topic, parts, a_id, b_id = "txn-move", 4, 51, 52
+    expect = predicted(topic, parts, [a_id, b_id])
+    p = next(part for part, n in expect.items() if n == b_id)
+    a = listeners(a_id)
+    create_topic(a.bootstrap, topic, parts)
+    producer = txn_producer(a.bootstrap, "txn-move-id")
+    producer.begin_transaction()
+    producer.produce(topic, b"in-txn", partition=p)
+    assert producer.flush(30) == 0  # stored and acknowledged: the transaction is open on the partition
+    b = listeners(b_id)
+    wait_for(lambda: f"kafka/owners/{topic}/{p} has a transaction open" in a.log_text(), 30,
+             "A to defer the partition's hand-over")
+    assert metadata(b.bootstrap, topic)[1][p] == a_id and p not in handed_over(a, topic)
+    producer.commit_transaction(30)  # the marker goes to A, which still owns the partition
+    wait_for(lambda: p in handed_over(a, topic), 30, "the hand-over once the transaction ended")
+    assert metadata(a.bootstrap, topic)[1][p] == b_id
+    producer.begin_transaction()  # the next transaction writes to the new owner
+    producer.produce(topic, b"after-move", partition=p)
+    producer.commit_transaction(30)
+    got = read_all(f"{a.bootstrap},{b.bootstrap}", topic, "read_committed", parts)
+    assert [v for part, _, v in got if part == p] == [b"in-txn", b"after-move"]
+    assert p in claimed(b, topic)
