@@ -13,7 +13,8 @@ writer fails or another writer took the stream over. Fetch long-polls on this sh
 acknowledged appends, and on the bookies' LAC for read-only partitions.
 
 Several shims (``compat_kafka.ownership``): each registers as a broker under a lease and serves only
-the partitions it owns (claimed under its lease on first use when it is the preferred node);
+the partitions it owns (claimed under its lease on first use when it is the preferred node), and
+hands over those another live shim is now preferred for (``_rebalance_loop``, ``_hand_over``);
 Metadata names every live shim and each partition's owner as its leader, the lowest live node id
 as controller; Produce/Fetch/ListOffsets for a partition owned elsewhere answer
 NOT_LEADER_OR_FOLLOWER. Group coordinators are placed the same way (``coordinator_node``,
@@ -58,7 +59,7 @@ from .errors import (
 from .fetch_sessions import FetchSession, FetchSessionCache, SessionError
 from .groups import GroupConfig, GroupCoordinator
 from .interbroker import BROKER_PRINCIPAL, InterBrokerClient, ensure_identity
-from .ownership import OWNERS, Ownership, coordinator_key, partition_key
+from .ownership import OWNERS, Ownership, coordinator_key, parse_partition_key, partition_key, preferred
 from .partition import PartitionConfig, PartitionLog
 from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
 from .transactions import TransactionCoordinator, TxnConfig
@@ -103,6 +104,13 @@ class BrokerConfig:
     # partitions being opened (claimed and taken over) at once: a first produce to a new topic
     # opens all its partitions concurrently, up to this many in flight
     max_concurrent_opens: int = 32
+    # rebalancing onto listeners that join later (see Broker._rebalance_loop): off keeps ownership
+    # sticky until a listener dies or stops
+    rebalance: bool = True
+    rebalance_batch: int = 8  # partitions in hand-over at once, per listener
+    rebalance_delay_s: float = 3.0  # the live listeners must be unchanged this long before partitions move
+    rebalance_check_s: float = 1.0  # how often the live listeners are listed (one small read of kafka/brokers/)
+    hand_over_timeout_s: float = 10.0  # a hand-over waits at most this long for queued appends
     # Kafka ACLs (authorizer.py): with acls off every principal may do anything (as before)
     acls: bool = False
     super_users: frozenset[str] = frozenset()  # e.g. {"User:admin"}: bypass the ACLs
@@ -121,6 +129,10 @@ class BrokerConfig:
             raise ValueError("lease_ttl_s must be at least 1 s")
         if self.max_concurrent_opens < 1:
             raise ValueError("max_concurrent_opens must be at least 1")
+        if self.rebalance_batch < 1 or self.rebalance_delay_s < 0 or self.rebalance_check_s <= 0:
+            raise ValueError("rebalance_batch must be at least 1, rebalance_delay_s >= 0, rebalance_check_s > 0")
+        if self.hand_over_timeout_s <= 0:
+            raise ValueError("hand_over_timeout_s must be positive")
         if self.node_id is not None and not 0 <= self.node_id < 2**31:
             raise ValueError(f"node_id must be 0..2**31-1, not {self.node_id}")
 
@@ -140,6 +152,9 @@ class Broker:
         self._open_slots = asyncio.Semaphore(self.config.max_concurrent_opens)
         self._topic_reads: dict[str, tuple[float, asyncio.Future]] = {}  # see _topic_for_open
         self._snapshotter: asyncio.Task | None = None  # one for all partitions (see _snapshot_loop)
+        self._rebalancer: asyncio.Task | None = None  # see _rebalance_loop
+        self._handing_over: dict[tuple[str, int], int] = {}  # partition -> node it is being handed over to
+        self.handed_over = 0  # partitions handed over to other listeners since start
         self._appended = asyncio.Event()
         c = self.config
         self.ownership = Ownership(self.store, c.host, c.port, c.node_id, c.lease_ttl_s, on_lost=self._on_lost)
@@ -211,6 +226,7 @@ class Broker:
             await self.authorizer.start()
         await self.ownership.start()
         self.txn.start()
+        self._rebalancer = asyncio.get_running_loop().create_task(self._rebalance_loop(), name="kafka-rebalance")
 
     async def coordinator_node(self, key_type: int, key: str) -> tuple[int, str, int]:
         """(node id, host, port) of the shim coordinating ``key`` (a group when key_type is 0, a
@@ -231,10 +247,11 @@ class Broker:
         self.txn.forget()  # transactional ids may have moved too: load them again when claimed
 
     async def close(self) -> None:
-        if self._snapshotter is not None:
-            self._snapshotter.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._snapshotter
+        for task in (self._rebalancer, self._snapshotter):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         logs, self._logs = list(self._logs.values()), {}
         for p in logs:
             await p.close()
@@ -302,6 +319,9 @@ class Broker:
         writable one on the first produce; a failed one (its writer fenced by another writer) is
         opened again."""
         key = (topic, index)
+        if key in self._handing_over:
+            raise NotLeaderOrFollower(f"{topic} partition {index} is being handed over to node "
+                                      f"{self._handing_over[key]}")
         plog = self._logs.get(key)
         owned = self.ownership.owns(partition_key(topic, index))
         if plog is not None and plog.usable and owned and (plog.writable or not write):
@@ -341,6 +361,9 @@ class Broker:
         if not self.ownership.owns(partition_key(topic, index)):  # lost while opening
             await plog.close()
             raise NotLeaderOrFollower(f"{topic} partition {index}: node {self.node_id} lost its lease while opening")
+        if (topic, index) in self._handing_over:  # a hand-over started while it opened
+            await plog.close()
+            raise NotLeaderOrFollower(f"{topic} partition {index} is being handed over")
         old = self._logs.get((topic, index))
         if old is not None and old is not plog:
             if old.usable and old.writable and not write:  # a writable one opened meanwhile: keep it
@@ -383,6 +406,125 @@ class Broker:
     def _notify_append(self) -> None:
         ev, self._appended = self._appended, asyncio.Event()
         ev.set()
+
+    # ---------------------------------------------------------------- rebalancing (several listeners)
+    async def _rebalance_loop(self) -> None:
+        """Every ``rebalance_check_s``, list the live listeners (one small read of ``kafka/brokers/``;
+        nothing else happens while they do not change). Once a changed set has stayed the same for
+        ``rebalance_delay_s`` (a starting cluster registers its listeners first), hand over the
+        partitions this listener holds whose preferred node (rendezvous over the live listeners) is
+        now another one (``_rebalance``); a pass that could not finish (a transaction open, a
+        hand-over failed) is tried again at the next check."""
+        c = self.config
+        loop = asyncio.get_running_loop()
+        seen: tuple[int, ...] | None = None
+        changed_at = loop.time()
+        done_for: tuple[int, ...] | None = None
+        while True:
+            await asyncio.sleep(c.rebalance_check_s)
+            if not self.ownership.valid:
+                continue
+            try:
+                live = tuple(b.node_id for b in await self.ownership.brokers())
+            except Exception as exc:  # the store is busy or away: try again at the next check
+                log.info("node %d: listing the live listeners failed: %r", self.node_id, exc)
+                continue
+            if live != seen:
+                if seen is not None:
+                    log.info("node %d: live listeners now %s", self.node_id, list(live))
+                seen, changed_at = live, loop.time()
+            if live == done_for or loop.time() - changed_at < c.rebalance_delay_s:
+                continue
+            try:
+                if await self._rebalance(list(live)):
+                    done_for = live
+            except Exception as exc:
+                log.warning("node %d: rebalancing failed: %r", self.node_id, exc)
+
+    def moves(self, live: list[int]) -> list[tuple[str, int]]:
+        """(partition key, node) of every partition held here whose preferred node among ``live`` is
+        another one (group and transaction coordinators stay where they are)."""
+        me = self.node_id
+        if me not in live:
+            return []
+        out = []
+        for resource in self.ownership.held:
+            if resource.startswith(OWNERS) and (target := preferred(resource, live)) != me:
+                out.append((resource, target))
+        return sorted(out)
+
+    async def _rebalance(self, live: list[int]) -> bool:
+        """Hand the partitions that prefer another live node over, ``rebalance_batch`` at a time;
+        whether every one was (or there were none)."""
+        moves = self.moves(live)
+        if not moves:
+            return True
+        if not self.config.rebalance:
+            log.info("node %d: %d partitions held here prefer another live listener; rebalancing is off, "
+                     "they stay", self.node_id, len(moves))
+            return True
+        batch = self.config.rebalance_batch
+        log.info("node %d: handing %d partitions over to nodes %s, at most %d at a time", self.node_id, len(moves),
+                 sorted({n for _, n in moves}), batch)
+        left = 0
+        for i in range(0, len(moves), batch):
+            chunk = moves[i:i + batch]
+            results = await asyncio.gather(*(self._hand_over(r, n) for r, n in chunk), return_exceptions=True)
+            for (r, _n), ok in zip(chunk, results, strict=True):
+                if isinstance(ok, BaseException):
+                    log.warning("node %d: handing %s over failed: %r", self.node_id, r, ok)
+                left += ok is not True
+            now = [b.node_id for b in await self.ownership.brokers(max_age_s=self.config.rebalance_check_s)]
+            if now != live:  # the listeners changed again: the loop starts over once they settle
+                return False
+        return left == 0
+
+    async def _hand_over(self, resource: str, target: int) -> bool:
+        """Hand one partition over: refuse new produces and fetches for it (NOT_LEADER_OR_FOLLOWER:
+        clients refresh their metadata), wait for its queued appends (``PartitionLog.retire``),
+        close its writer cleanly (the producer-state snapshot is written, exact up to the high
+        watermark), then release its ownership key, so that Metadata names ``target`` and ``target``
+        claims it on the next request for it (a take-over with a new term, which fences this
+        writer at the bookies had it not closed). A partition with a transaction open is left for
+        a later pass (False)."""
+        if resource not in self.ownership.held:
+            return True
+        key = parse_partition_key(resource)
+        if key in self._handing_over:
+            return False
+        plog = self._logs.get(key)
+        if plog is not None and plog.usable and plog.transaction_open:
+            log.info("node %d: %s has a transaction open; its hand-over waits for it to end", self.node_id, resource)
+            return False
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._handing_over[key] = target
+        log.info("node %d: handing %s over to node %d (%d in hand-over)", self.node_id, resource, target,
+                 len(self._handing_over))
+        try:
+            for write in (True, False):  # an open started before the hand-over ends first
+                opening = self._opening.get((*key, write))
+                if opening is not None:
+                    await asyncio.wait([opening])
+            plog = self._logs.get(key)
+            if plog is not None:
+                if not await plog.retire(self.config.hand_over_timeout_s):
+                    log.info("node %d: %s has a transaction open; its hand-over waits for it to end", self.node_id,
+                             resource)
+                    return False
+                if self._logs.get(key) is plog:
+                    del self._logs[key]
+                try:
+                    await asyncio.wait_for(plog.close(), self.config.hand_over_timeout_s)
+                except Exception as exc:  # the next owner's take-over fences this writer anyway
+                    log.warning("node %d: closing %s for its hand-over: %r", self.node_id, resource, exc)
+            await self.ownership.release(resource)
+        finally:
+            del self._handing_over[key]
+        self.handed_over += 1
+        log.info("node %d: handed %s over to node %d in %.0f ms", self.node_id, resource, target,
+                 (loop.time() - started) * 1000)
+        return True
 
     # ---------------------------------------------------------------- ApiVersions
     async def api_versions(self, req, resp_cls):
@@ -720,7 +862,7 @@ class Broker:
         fetch; records another writer appends meanwhile still wake a read-only partition's long poll,
         and a take-over by another writer is seen within ``partition_refresh_s``."""
         plog = self._logs.get((topic, index))
-        if plog is None or not plog.usable or offset != plog.high_watermark:
+        if plog is None or not plog.usable or plog.retiring or offset != plog.high_watermark:
             return None
         if refresh is True or (refresh is _REFRESH_SOME and asyncio.get_running_loop().time() - plog.refreshed_at
                                    >= self.config.partition_refresh_s):

@@ -3,9 +3,12 @@
 Several shims can serve one cluster: each registers as a broker (``--node-id``, unique among live
 shims; by default one is allocated from the metadata store) advertising ``--advertised-host`` and
 its port, and serves the partitions it owns (see ``compat_kafka.ownership``). ``--lease-ttl`` is how
-long a dead shim keeps its partitions before the others take them over. ``--metrics-port`` serves
-Prometheus metrics (consumer group lag, ``metrics.py``). ``scroll kafka groups ...`` is the
-operators' view of consumer groups (``group_cli.py``), a client of a running listener.
+long a dead shim keeps its partitions before the others take them over. A shim that joins later
+gets its share of the partitions: the others hand them over, ``--rebalance-batch`` at a time, once
+the live shims have been stable for ``--rebalance-delay`` (``--no-rebalance``: ownership stays
+sticky). ``--metrics-port`` serves Prometheus metrics (consumer group lag, ``metrics.py``).
+``scroll kafka groups ...`` is the operators' view of consumer groups (``group_cli.py``), a client
+of a running listener.
 ``--sasl-mechanisms`` turns on Kafka SASL (``sasl.py``); ``scroll kafka user add|remove|list``
 manages the SCRAM credentials in the metadata store.
 """
@@ -95,6 +98,13 @@ async def _point_metrics(metrics, server: KafkaServer) -> None:
               help="broker node id, unique among live shims [default: allocate one]")
 @click.option("--lease-ttl", default=10.0, show_default=True, type=click.FloatRange(1.0, 300.0),
               help="seconds: registration/ownership lease; a dead shim's partitions move after it")
+@click.option("--no-rebalance", is_flag=True,
+              help="keep partitions where they are when listeners join (by default a listener hands the partitions "
+                   "that now prefer another live listener over to it)")
+@click.option("--rebalance-batch", default=8, show_default=True, type=click.IntRange(1, 10_000),
+              help="partitions a listener hands over at once when rebalancing")
+@click.option("--rebalance-delay", default=3.0, show_default=True, type=click.FloatRange(0.0, 3600.0),
+              help="seconds the live listeners must stay unchanged before partitions move")
 @click.option("--test-drop-produce-response-every", default=0, hidden=True, type=click.IntRange(0),
               help="test-only fault injection: drop the connection instead of answering every Nth idempotent produce")
 @click.option("--default-partitions", default=1, show_default=True, type=click.IntRange(1, 1000),
@@ -127,7 +137,8 @@ async def _point_metrics(metrics, server: KafkaServer) -> None:
               help="KIP-368: SASL sessions last this long; a connection not re-authenticated is closed (0: off)")
 @click.pass_context
 def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port: int, advertised_host: str,
-                  node_id: int | None, lease_ttl: float, test_drop_produce_response_every: int,
+                  node_id: int | None, lease_ttl: float, no_rebalance: bool, rebalance_batch: int,
+                  rebalance_delay: float, test_drop_produce_response_every: int,
                   default_partitions: int, no_auto_create: bool, max_frame_bytes: int, metrics_port: int | None,
                   metrics_host: str, no_fetch_sessions: bool, ssl_cert: str | None, ssl_key: str | None,
                   ssl_client_ca: str | None, ssl_client_auth: str, sasl_mechanisms: str | None,
@@ -168,7 +179,8 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
         broker_config = BrokerConfig(host=advertised_host, port=port, node_id=node_id, lease_ttl_s=lease_ttl,
                                      default_partitions=default_partitions, auto_create_topics=not no_auto_create,
                                      drop_produce_response_every=test_drop_produce_response_every,
-                                     fetch_sessions=not no_fetch_sessions,
+                                     fetch_sessions=not no_fetch_sessions, rebalance=not no_rebalance,
+                                     rebalance_batch=rebalance_batch, rebalance_delay_s=rebalance_delay,
                                      inter_broker_ca=inter_broker_ca or ssl_client_ca)
         server_config, broker_config = _with_security(server_config, broker_config, **security_options)
     except ValueError as exc:

@@ -19,7 +19,17 @@ id) over the live shims — deterministic, spreads resources evenly, and when a 
 resources move. Metadata and FindCoordinator answer with that owner. A shim serves a resource only
 when it holds the key: on first use it claims it (create-if-absent under its lease) if it is the
 preferred node; otherwise the request gets NOT_LEADER_OR_FOLLOWER / NOT_COORDINATOR and the client
-refreshes metadata. Ownership is sticky: a shim joining later does not take partitions away.
+refreshes metadata. Ownership is sticky while the live shims stay the same.
+
+Rebalancing (``Broker._rebalance_loop``, on unless ``--no-rebalance``). Each shim lists the live
+shims every ``rebalance_check_s`` (one small read); once a changed set has been stable for
+``rebalance_delay_s``, it hands over, ``rebalance_batch`` at a time, every partition it holds whose
+preferred node is now another live shim: it stops admitting appends to it, lets the queued ones be
+acknowledged, closes the writer (writing the producer-state snapshot), then ``release``s the key.
+Metadata then names the preferred node, which claims the partition on the next request for it and
+takes the stream over with a new term, as in a fail-over. Rendezvous hashing moves only what the
+new shim is now preferred for: about 1/n of the partitions when the n-th shim joins, none between
+the others. Group and transaction coordinator keys are not moved: they stay sticky.
 
 Fail-over. A killed shim stops refreshing its lease; after the TTL its keys vanish and the
 preferred survivor claims each partition on the next request for it, opening the stream — a
@@ -64,6 +74,12 @@ class NodeIdInUse(MetadataError):
 
 def partition_key(topic: str, partition: int) -> str:
     return f"{OWNERS}{topic}/{partition}"
+
+
+def parse_partition_key(resource: str) -> tuple[str, int]:
+    """(topic, partition) of a ``partition_key`` (topic names have no '/')."""
+    topic, _, index = resource[len(OWNERS):].rpartition("/")
+    return topic, int(index)
 
 
 def coordinator_key(key_type: int, key: str) -> str:
@@ -271,7 +287,7 @@ class Ownership:
 
         One store round trip when the live shims are known (a listing at most ``CLAIM_LIVE_MAX_AGE_S``
         old: a shim that joined since may lose a resource it would have been preferred for, which
-        sticky ownership allows anyway; one that died since is still listed, so we may decline for
+        the rebalancing pass after ``rebalance_delay_s`` hands over); one that died since is still listed, so we may decline for
         that long and the client retries). Claims of different resources run concurrently (a
         first produce to a new topic claims all its partitions at once); claims of one resource
         share one attempt."""
@@ -304,9 +320,16 @@ class Ownership:
         return True
 
     async def release(self, resource: str) -> None:
-        """Give ``resource`` up (its key is deleted so the preferred shim can claim it)."""
+        """Give ``resource`` up (its key is deleted so the preferred shim can claim it). If the
+        store fails, the resource is still held (and served) here, and the error raised."""
         if resource in self.held:
             self.held.discard(resource)
-            v = await self.store.get(resource)
-            if v is not None and v.value == str(self.node_id).encode():
-                await self.store.delete(resource, expected_version=v.version)
+            lease = self._lease
+            try:
+                v = await self.store.get(resource)
+                if v is not None and v.value == str(self.node_id).encode():
+                    await self.store.delete(resource, expected_version=v.version)
+            except BaseException:
+                if lease is self._lease and self.valid:
+                    self.held.add(resource)
+                raise

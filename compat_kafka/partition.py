@@ -51,6 +51,12 @@ bounded by ``max_state_scan_entries``; beyond that the state is marked incomplet
 producers are then accepted at any sequence, as Kafka does for producers without state). The
 snapshot lives outside the stream's meta on purpose: the writer owns meta, and a separate key
 cannot disturb it.
+
+Hand-over (rebalancing onto another listener, ``Broker._hand_over``): ``retire`` refuses new appends
+and markers (NOT_LEADER_OR_FOLLOWER) and waits for the queued ones to be acknowledged or fail;
+``close`` then writes the snapshot, exact up to the high watermark, so the next owner's producer
+state answers a retry of any acknowledged batch as a duplicate. A partition with a transaction open
+is not handed over (``retire`` answers False and appends resume).
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ from streams.producer import Producer
 from streams.topics import partition_stream
 
 from .batches import Batch, increment_sequence
-from .errors import InvalidProducerEpoch, OffsetOutOfRange, OutOfOrderSequenceNumber
+from .errors import InvalidProducerEpoch, NotLeaderOrFollower, OffsetOutOfRange, OutOfOrderSequenceNumber
 from .producer_ids import BatchRecord, ProducerStateTable, StateSnapshot, in_sequence, state_key
 from .transactions import PartitionTxns, TransactionCoordinatorFenced, control_batch, parse_marker
 
@@ -123,6 +129,7 @@ class PartitionLog:
         self._last_entry = -1  # read-only: the LAC the high watermark was learnt at
         self.refreshed_at = -1e9  # loop time of the last caught_up (state learnt from the bookies)
         self.failure: BaseException | None = None
+        self.retiring = False  # being handed over to another listener: appends are refused (see ``retire``)
         self._lock = asyncio.Lock()
         self._cursors: dict[int, int] = {}  # end offset of a batch served -> the entry after it
         self.live_state = ProducerStateTable(config.max_producers)  # includes batches in flight
@@ -301,6 +308,7 @@ class PartitionLog:
         wait for the original's acknowledgement if it is still in flight)."""
         async with self._lock:
             self._check_usable()
+            self._check_not_retiring()
             if not self.writable:
                 raise WriterWithdrawn(f"{self.stream}: opened read-only")
             dups = self._check_sequences(batches)
@@ -385,6 +393,7 @@ class PartitionLog:
         epoch older than the producer's here. From then on an older epoch's batches are fenced."""
         async with self._lock:
             self._check_usable()
+            self._check_not_retiring()
             if not self.writable:
                 raise WriterWithdrawn(f"{self.stream}: opened read-only")
             if coordinator_epoch < self._marker_epochs.get(producer_id, -1):
@@ -427,6 +436,41 @@ class PartitionLog:
     def _check_usable(self) -> None:
         if self.failure is not None:
             raise self.failure
+
+    def _check_not_retiring(self) -> None:
+        if self.retiring:
+            raise NotLeaderOrFollower(f"{self.topic} partition {self.partition} is being handed over to another "
+                                      "listener")
+
+    @property
+    def transaction_open(self) -> bool:
+        """Whether a transaction has acknowledged batches here and no marker yet."""
+        return bool(self.txns.ongoing)
+
+    async def retire(self, timeout_s: float) -> bool:
+        """The first step of handing the partition over to another listener: from now on appends
+        and markers are refused with NOT_LEADER_OR_FOLLOWER (the client refreshes its metadata and
+        retries at the new owner), and the appends already queued are awaited: each is acknowledged
+        (durable: its produce is answered with success) or fails (its produce gets a retriable
+        error). Never more than ``timeout_s``: appends still unacknowledged then are left to the
+        request's own timeout (a retriable error) — whether or not they became durable, the next
+        owner's take-over finds them and its producer state (rebuilt from the snapshot and the log)
+        answers their retries as duplicates. False, with appends admitted again, if a transaction
+        is open here after the wait (its data and marker stay on this listener: the move waits for
+        the transaction to end)."""
+        async with self._lock:  # an append queuing now finishes first; later ones see ``retiring``
+            self.retiring = True
+        if self.producer is not None and self.failure is None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.producer.flush()), timeout_s)
+            except TimeoutError:
+                log.warning("topic=%s partition=%d: appends still unacknowledged after %.1f s of hand-over",
+                            self.topic, self.partition, timeout_s)
+                self._fail(WriterWithdrawn(f"{self.stream}: handed over with appends unacknowledged"))
+        if self.writable and self.usable and self.transaction_open:
+            self.retiring = False
+            return False
+        return True
 
     @property
     def usable(self) -> bool:
