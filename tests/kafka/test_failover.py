@@ -43,9 +43,11 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shims(cluster, tmp_path_factory):
     logs = tmp_path_factory.mktemp("failover-logs")
-    procs = [ShimProcess(cluster.metadata_url, logs, node_id=7, lease_ttl_s=TTL),
-             ShimProcess(cluster.metadata_url, logs, lease_ttl_s=TTL),
-             ShimProcess(cluster.metadata_url, logs, lease_ttl_s=TTL)]
+    # fail-over only: a listener that comes back (SIGCONT) would otherwise get its partitions back
+    # after --rebalance-delay (tests/kafka/test_rebalance.py), racing the assertions on who owns what
+    procs = [ShimProcess(cluster.metadata_url, logs, "--no-rebalance", node_id=7, lease_ttl_s=TTL),
+             ShimProcess(cluster.metadata_url, logs, "--no-rebalance", lease_ttl_s=TTL),
+             ShimProcess(cluster.metadata_url, logs, "--no-rebalance", lease_ttl_s=TTL)]
     for p in procs:
         p.start()
     try:
