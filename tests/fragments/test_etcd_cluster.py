@@ -13,17 +13,19 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
 from fragments.etcdstore import EtcdStore, parse_etcd_target, parse_etcd_url
 from fragments.registry import BookieRegistration, register_bookie
 from fragments.security import redact_url
-from fragments.store import MetadataUnavailable
-from streams.tools.localcluster import Proc
+from fragments.store import MetadataAuthError, MetadataUnavailable
+from streams.tools.localcluster import EtcdTLSFiles, LocalCluster, Proc
 from tests.ports import port_block
 
 from .conftest import ETCD, NO_ETCD, free_port, namespace
@@ -281,13 +283,18 @@ def test_silent_member_is_left_within_a_deadline(cluster, run):
 
     async def body():
         store = await EtcdStore.connect(cluster.url(first=leader), namespace=ns, timeout=timeout)
+        watcher = None
         try:
             registrar = await register_bookie(store, BookieRegistration("b1", "127.0.0.1:1"), ttl_s=3)
             reg_version = (await store.get(registrar.key)).version
             await store.put("/k", b"0")
             watch = store.watch_prefix("/w/")
+            # a store that only watches: gRPC keepalive (10 s + 5 s) notices the silence
+            watcher = await EtcdStore.connect(cluster.url(first=leader), namespace=ns, timeout=timeout)
+            only = watcher.watch_prefix("/w/")
             await store.put("/w/0", b"before")
             assert (await asyncio.wait_for(anext(watch), 5)).value == b"before"
+            assert (await asyncio.wait_for(anext(only), 5)).value == b"before"
             leader.stop()
             stopped_at = time.monotonic()
             try:
@@ -304,14 +311,22 @@ def test_silent_member_is_left_within_a_deadline(cluster, run):
                     assert (await store.get(registrar.key)).version == reg_version
                     await asyncio.sleep(0.5)
                 assert registrar.reregistrations == 0
+                got = await asyncio.wait_for(anext(only), 25)
+                timings["watch-only store's event, since SIGSTOP"] = round(time.monotonic() - stopped_at, 2)
+                assert (got.key, got.value, watcher.watch_resumes) == ("/w/1", b"during", 1)
+                assert time.monotonic() - stopped_at < 10 + 5 + 5
             finally:
                 leader.cont()
             await store.put("/w/2", b"after")
             assert (await asyncio.wait_for(anext(watch), 10)).value == b"after"
+            assert (await asyncio.wait_for(anext(only), 10)).value == b"after"
             await watch.aclose()
+            await only.aclose()
             await registrar.close()
         finally:
             await store.close()
+            if watcher is not None:
+                await watcher.close()
         print("silent member timings (s):", timings)
 
     run(body())
@@ -390,3 +405,41 @@ def test_bookie_process_keeps_its_registration_while_a_member_dies(cluster, tmp_
         bookie.stop()
     assert "bookie stopped" in bookie.output()
     assert _lease_of(others[1], key) is None  # it deregistered through the surviving members
+
+
+@pytest.mark.process
+def test_tls_and_credentials_with_several_endpoints(tmp_path, run):
+    """etcds:// with several endpoints: each member is verified against the CA under its own host
+    name (here ``localhost``), and the credentials authenticate on whichever member is used."""
+    if ETCD is None:
+        pytest.skip(NO_ETCD)
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    files = {name: str(tmp_path / f"{name}.pem") for name in ("ca", "cert", "key")}
+    ca.cert_pem.write_to_path(files["ca"])
+    server.cert_chain_pems[0].write_to_path(files["cert"])
+    server.private_key_pem.write_to_path(files["key"])
+    password = "s3cr:t"
+    with LocalCluster(tmp_path / "c", bookies=0, etcd_password=password,
+                      etcd_tls=EtcdTLSFiles(files["cert"], files["key"], files["ca"])) as c:
+        dead = free_port()
+        url = (f"etcds://root:{urllib.parse.quote(password, safe='')}@127.0.0.1:{dead},localhost:{c.etcd_port}/ns"
+               f"?ca={files['ca']}")
+
+        async def body():
+            store = await EtcdStore.connect(url, timeout=3.0)
+            try:
+                assert store.endpoint == f"localhost:{c.etcd_port}"
+                assert password not in store.url and f"127.0.0.1:{dead},localhost:{c.etcd_port}" in store.url
+                await store.put("/k", b"v")
+                assert (await store.get("/k")).value == b"v"
+            finally:
+                await store.close()
+            # the other member name, with a CA that did not sign it: a clear TLS error, not a retry loop
+            other = tmp_path / "other-ca.pem"
+            trustme.CA().cert_pem.write_to_path(other)
+            with pytest.raises(MetadataAuthError, match="TLS") as info:
+                await EtcdStore.connect(url.replace(files["ca"], str(other)), timeout=3.0)
+            assert password not in str(info.value)
+
+        run(body(), timeout=60)
