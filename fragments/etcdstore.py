@@ -11,6 +11,18 @@
 * Every request has a deadline (``timeout``, default 5 s). Connection failures, deadlines and
   transient etcd errors (no leader, leader changed) raise ``MetadataUnavailable`` naming the
   endpoint; nothing hangs when etcd is down or killed.
+* High availability: ``etcd://h1:2379,h2:2379,h3:2379/ns`` lists the members of one cluster. The
+  store talks to one member at a time (the first, until it fails) over its own gRPC channel, and
+  moves to the next one when a request fails with ``MetadataUnavailable`` (connection refused or
+  reset, deadline passed: a silent member, "no leader": a member cut off from the quorum). The
+  request is then repeated there: reads, puts, lease keep-alives and revokes, blind txns and lease
+  grants (with a client-chosen lease id) as they are; guarded writes (``create``, ``txn`` with
+  compares, ``delete``) too, except that a lost compare after an attempt that may have been
+  applied raises ``MetadataUnavailable`` (outcome unknown) rather than a false "lost". A call
+  tries every member once and goes on (with short pauses) until ``timeout`` has passed. Watches
+  whose stream broke are re-created on the next member from the revision after the last event
+  they delivered. Requests carry etcd's require-leader flag, and gRPC keepalive (10 s, 5 s ping
+  timeout) ends streams through a silent member. See docs/metadata.md, "Several etcd members".
 * An optional key namespace (``namespace=`` or the URL's path: ``etcd://host:2379/ns``) is
   prepended to every key and stripped from every result, so several tenants or tests can share
   one etcd.
