@@ -11,6 +11,18 @@
 * Every request has a deadline (``timeout``, default 5 s). Connection failures, deadlines and
   transient etcd errors (no leader, leader changed) raise ``MetadataUnavailable`` naming the
   endpoint; nothing hangs when etcd is down or killed.
+* High availability: ``etcd://h1:2379,h2:2379,h3:2379/ns`` lists the members of one cluster. The
+  store talks to one member at a time (the first, until it fails) over its own gRPC channel, and
+  moves to the next one when a request fails with ``MetadataUnavailable`` (connection refused or
+  reset, deadline passed: a silent member, "no leader": a member cut off from the quorum). The
+  request is then repeated there: reads, puts, lease keep-alives and revokes, blind txns and lease
+  grants (with a client-chosen lease id) as they are; guarded writes (``create``, ``txn`` with
+  compares, ``delete``) too, except that a lost compare after an attempt that may have been
+  applied raises ``MetadataUnavailable`` (outcome unknown) rather than a false "lost". A call
+  tries every member once and goes on (with short pauses) until ``timeout`` has passed. Watches
+  whose stream broke are re-created on the next member from the revision after the last event
+  they delivered. Requests carry etcd's require-leader flag, and gRPC keepalive (10 s, 5 s ping
+  timeout) ends streams through a silent member. See docs/metadata.md, "Several etcd members".
 * An optional key namespace (``namespace=`` or the URL's path: ``etcd://host:2379/ns``) is
   prepended to every key and stripped from every result, so several tenants or tests can share
   one etcd.
@@ -34,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -78,9 +91,26 @@ _TRANSIENT_MARKERS = (
 _GRPC_OPTIONS = {
     "grpc.keepalive_time_ms": 10_000,  # detect a silent (partitioned) server on long watches
     "grpc.keepalive_timeout_ms": 5_000,
+    # gRPC >= 1.5x waits this long for any ping's ack (default 60 s), keepalive pings included:
+    # without it a silent server is noticed after ~70 s instead of ~15 s
+    "grpc.http2.ping_timeout_ms": 5_000,
+    "grpc.http2.max_pings_without_data": 0,  # keep pinging a watch stream that receives nothing
+    # every store has its own connections: a member that was down and came back is tried afresh, not
+    # refused from a connection-failure backoff shared through gRPC's process-wide subchannel pool
+    "grpc.use_local_subchannel_pool": 1,
+    "grpc.initial_reconnect_backoff_ms": 500,
+    "grpc.max_reconnect_backoff_ms": 5_000,
     "grpc.max_receive_message_length": 64 * 1024 * 1024,
 }
 
+
+# etcd's "require leader" metadata (clientv3.WithRequireLeader): a member without a leader refuses
+# requests with "no leader" and ends watch streams, instead of serving a minority partition's view
+_REQUIRE_LEADER = (("hasleader", "true"),)
+_FAILOVER_BACKOFF_S = (0.05, 0.1, 0.2, 0.4, 0.5)  # pauses once every member has failed in a row
+# failures that prove a request never reached etcd's state machine (it may be retried even if not idempotent)
+_NOT_APPLIED_MARKERS = ("no leader", "failed to connect", "connection refused", "connect failed",
+                        "not capable", "too many requests")
 
 _PLAIN_SCHEMES = ("etcd", "http")
 _TLS_SCHEMES = ("etcds", "https")
@@ -102,6 +132,12 @@ class EtcdTarget:
     ca: str | None = None
     cert: str | None = None
     key: str | None = None
+    # every member the URL lists, in order (host, port); the first is ``host``/``port``
+    endpoints: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            object.__setattr__(self, "endpoints", ((self.host, self.port),))
 
     def with_security(self, security: ClientSecurity | None) -> EtcdTarget:
         """Explicit credentials win over the URL's: ``user``/``password`` always, ``tls_*`` when
@@ -133,20 +169,40 @@ class EtcdTarget:
         return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
+def _parse_endpoint(entry: str, shown: str) -> tuple[str, int]:
+    """One ``host[:port]`` (or ``[v6addr][:port]``) of an endpoint list."""
+    if not entry:
+        raise ValueError(f"empty endpoint in the etcd URL's list (host:port,host:port,...): {shown!r}")
+    parts = urllib.parse.urlsplit("//" + entry)
+    if not parts.hostname or parts.netloc != entry:
+        raise ValueError(f"bad endpoint {entry!r} in etcd URL {shown!r} (host:port expected)")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError:
+        raise ValueError(f"bad port in endpoint {entry!r} of etcd URL {shown!r}") from None
+    return parts.hostname, port
+
+
 def parse_etcd_target(url: str) -> EtcdTarget:
-    """``etcd[s]://[user:password@]host[:port][/namespace][?ca=&cert=&key=]`` (also ``http``/``https``)."""
+    """``etcd[s]://[user:password@]host[:port][,host[:port]...][/namespace][?ca=&cert=&key=]``
+    (also ``http``/``https``). Several comma-separated endpoints are members of one cluster."""
     parts = urllib.parse.urlsplit(url)
     shown = redact_url(url)
     if parts.scheme not in _PLAIN_SCHEMES + _TLS_SCHEMES:
         raise ValueError(f"not an etcd URL (etcd://host:port, or etcds://host:port for TLS): {shown!r}")
     hostport = parts.netloc.rpartition("@")[2]
     if "," in hostport:
-        raise ValueError(f"one etcd endpoint per URL is supported: {shown!r}")
-    host = parts.hostname or "127.0.0.1"
-    try:
-        port = parts.port or DEFAULT_PORT
-    except ValueError as e:
-        raise ValueError(f"bad port in etcd URL {shown!r}") from e
+        endpoints = tuple(_parse_endpoint(entry.strip(), shown) for entry in hostport.split(","))
+        if len(set(endpoints)) != len(endpoints):
+            raise ValueError(f"an endpoint is listed twice in etcd URL {shown!r}")
+        host, port = endpoints[0]
+    else:
+        host = parts.hostname or "127.0.0.1"
+        try:
+            port = parts.port or DEFAULT_PORT
+        except ValueError as e:
+            raise ValueError(f"bad port in etcd URL {shown!r}") from e
+        endpoints = ((host, port),)
     tls = parts.scheme in _TLS_SCHEMES
     query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
     unknown = set(query) - {"ca", "cert", "key"}
@@ -167,12 +223,15 @@ def parse_etcd_target(url: str) -> EtcdTarget:
         if not user:
             raise ValueError(f"empty user name in etcd URL {shown!r}")
     return EtcdTarget(host, port, parts.path.rstrip("/"), tls, user, password,
-                      files.get("ca"), files.get("cert"), files.get("key"))
+                      files.get("ca"), files.get("cert"), files.get("key"), endpoints)
 
 
 def parse_etcd_url(url: str) -> tuple[str, int, str]:
-    """``etcd://host:port[/namespace]`` (and the forms ``parse_etcd_target`` takes) -> (host, port, namespace)."""
+    """``etcd://host:port[/namespace]`` (and the forms ``parse_etcd_target`` takes) -> (host, port, namespace).
+    One endpoint only: use ``parse_etcd_target`` for a list of endpoints."""
     t = parse_etcd_target(url)
+    if len(t.endpoints) > 1:
+        raise ValueError(f"one etcd endpoint expected, not a list: {redact_url(url)!r}")
     return t.host, t.port, t.namespace
 
 
@@ -188,54 +247,81 @@ class _Watcher(aetcd.watcher.Watcher):
                     self._new_callback.error = aetcd.ClientError(f"watch refused: {response.cancel_reason}")
                     self._new_callback_ready.notify_all()
             return
+        if response.canceled and not response.created and response.compact_revision == 0:
+            # etcd ended a watch by itself (e.g. "no leader"): tell its owner instead of going silent
+            async with self._lock:
+                callback = self._callbacks.pop(response.watch_id, None)
+            if callback is not None:
+                reason = response.cancel_reason or "watch canceled by etcd"
+                await self._process_callback(callback, aetcd.ClientError(f"watch canceled: {reason}"))
+            return
         await super()._handle_response(response)
 
 
 class _Client(aetcd.Client):
-    """``aetcd.Client`` with TLS and re-authentication.
+    """``aetcd.Client`` with TLS, re-authentication and fail-over between the members of a cluster.
 
-    aetcd 1.0's ``connect`` always opens ``grpc.aio.insecure_channel``; this override is the same
-    code with a ``secure_channel`` when ``credentials`` are given, our ``_Watcher``, and the channel
-    closed again when authenticating fails. ``reauthenticate`` fetches a fresh token (etcd's simple
-    tokens expire when unused for ``--auth-token-ttl``) and starts a new watcher carrying it for
-    new watches: etcd checks the token given when a watch stream opens on every watch it creates.
+    aetcd 1.0's ``connect`` always opens ``grpc.aio.insecure_channel`` to one host; this override
+    opens one channel (a ``secure_channel`` when ``credentials`` are given) to the *current*
+    endpoint of ``endpoints``, with our ``_Watcher``, and closes it again when authenticating
+    fails. ``fail_over`` drops that channel (every watch on it gets a ``ConnectionFailedError``)
+    and moves to the next endpoint; the next ``connect`` opens it. ``epoch`` counts the switches,
+    so that of several callers that saw the same member fail only the first one switches.
+    ``reauthenticate`` fetches a fresh token (etcd's simple tokens expire when unused for
+    ``--auth-token-ttl``) and starts a new watcher carrying it for new watches: etcd checks the
+    token given when a watch stream opens on every watch it creates.
+
+    Every request carries etcd's "require leader" metadata, so a member that lost its leader
+    (a minority partition) refuses at once ("no leader") instead of answering stale or not at
+    all, and ends its watch streams.
     """
 
-    def __init__(self, *, credentials: grpc.ChannelCredentials | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, endpoints: tuple[tuple[str, int], ...],
+                 credentials: grpc.ChannelCredentials | None = None, **kwargs: Any) -> None:
+        host, port = endpoints[0]
+        super().__init__(host=host, port=port, **kwargs)
+        self.endpoints = tuple(endpoints)
+        self._index = 0
+        self.epoch = 0  # bumped by every switch to another endpoint
         self._credentials = credentials
         self.generation = 0  # bumped by every (re)authentication
         self._old_watchers: list[aetcd.watcher.Watcher] = []
+        self._switch_lock = asyncio.Lock()
 
     @property
     def authenticates(self) -> bool:
         return self._username is not None
 
+    @property
+    def endpoint(self) -> str:
+        """The member this client talks to now (``host:port``)."""
+        host, port = self.endpoints[self._index]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     async def _authenticate(self) -> None:
         req = rpc.AuthenticateRequest(name=self._username, password=self._password)
         try:
-            resp = await self.auth_stub.Authenticate(req, timeout=self._timeout)
+            resp = await self.auth_stub.Authenticate(req, timeout=self._timeout, metadata=_REQUIRE_LEADER)
         except rpc.AioRpcError as e:
             if "authentication is not enabled" not in (e.details() or ""):
                 raise
-            self.metadata = None  # credentials for an etcd without auth: nothing to send
+            self.metadata = _REQUIRE_LEADER  # credentials for an etcd without auth: nothing to send
         else:
-            self.metadata = (("token", resp.token),)
+            self.metadata = (("token", resp.token), *_REQUIRE_LEADER)
         self.generation += 1
 
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        if self._is_connecting:  # another task is connecting: wait for it
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
-            return
-        try:
-            self._is_connecting = True
-            target = f"{self._host}:{self._port}"
+        async with self._switch_lock:  # one connect at a time, never during a switch
+            if self._connected.is_set():
+                return
+            target = self.endpoint
             if self._credentials is None:
                 self.channel = rpc.insecure_channel(target, options=self._options.items())
             else:
                 self.channel = rpc.secure_channel(target, self._credentials, options=self._options.items())
+            self.metadata = _REQUIRE_LEADER
             try:
                 if self.authenticates:
                     self.auth_stub = rpc.AuthStub(self.channel)
@@ -250,22 +336,54 @@ class _Client(aetcd.Client):
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
             self._watcher = _Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
             self._connected.set()
-        finally:
-            self._is_connecting = False
+
+    async def fail_over(self, epoch: int, reason: str) -> bool:
+        """Leave the current member for the next one, unless someone already did since ``epoch``."""
+        async with self._switch_lock:
+            if epoch != self.epoch or len(self.endpoints) < 2:
+                return False
+            old = self.endpoint
+            self.epoch += 1
+            self._index = (self._index + 1) % len(self.endpoints)
+            log.warning("etcd member %s failed (%s): switching to %s", old, reason, self.endpoint)
+            await self._drop(aetcd.ConnectionFailedError(f"etcd member {old} failed ({reason})"))
+            return True
+
+    async def _drop(self, error: BaseException) -> None:
+        """Close the current channel; its watches end with ``error`` (their owners re-create them)."""
+        watchers, self._old_watchers = [*self._old_watchers, self._watcher], []
+        channel = self.channel
+        self._init_channel_attrs()
+        self._connected.clear()
+        for w in watchers:
+            if w is None:
+                continue
+            try:
+                await asyncio.wait_for(w._terminate_stream(error), 2.0)
+            except Exception as e:
+                log.debug("ending the watch stream of a failed etcd member: %r", e)
+        if channel is not None:
+            try:
+                await asyncio.wait_for(channel.close(), 2.0)
+            except Exception as e:
+                log.debug("closing the channel to a failed etcd member: %r", e)
 
     async def reauthenticate(self) -> None:
         await self.connect()
-        await self._authenticate()
-        old, self._watcher = self._watcher, _Watcher(
-            rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
-        )
-        keep = []
-        for w in [*self._old_watchers, old]:
-            if w is not None and w._callbacks:  # still streaming someone's watch
-                keep.append(w)
-            elif w is not None:
-                await w.shutdown()
-        self._old_watchers = keep
+        async with self._switch_lock:
+            if not self._connected.is_set():  # another request switched members meanwhile (and authenticated)
+                return
+            await self._authenticate()
+            old, self._watcher = self._watcher, _Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            keep = []
+            for w in [*self._old_watchers, old]:
+                if w is not None and w._callbacks:  # still streaming someone's watch
+                    keep.append(w)
+                elif w is not None:
+                    await w.shutdown()
+            self._old_watchers = keep
 
     async def close(self) -> None:
         old, self._old_watchers = self._old_watchers, []
@@ -283,6 +401,16 @@ def _detail(e: BaseException) -> str:
     return str(e)
 
 
+def _compare_failed(result: tuple[bool, Any]) -> bool:
+    return not result[0]
+
+
+def _maybe_applied(e: BaseException) -> bool:
+    """Whether a failed request may still have been applied (deadline, connection lost mid-request)."""
+    detail = " ".join(_detail(err) for err in (e, e.__cause__) if err is not None).lower()
+    return not any(m in detail for m in _NOT_APPLIED_MARKERS)
+
+
 def _is_token_error(e: BaseException) -> bool:
     for err in (e, e.__cause__):
         if err is not None and any(m in _detail(err).lower() for m in _TOKEN_MARKERS):
@@ -297,7 +425,9 @@ class EtcdLease(Lease):
         self._store = store
 
     async def refresh(self) -> None:
-        reply = await self._store._call(lambda: self._store._client.refresh_lease(self.id), "lease keep-alive")
+        # a keep-alive that takes a third of the TTL is left for another member (several endpoints)
+        reply = await self._store._call(lambda: self._store._client.refresh_lease(self.id), "lease keep-alive",
+                                        attempt_timeout=max(1.0, min(self._store.timeout, self.ttl_s / 3)))
         if reply is None or reply.TTL <= 0:
             raise LeaseExpired(f"lease {self.id:x} has expired or was revoked")
 
@@ -316,10 +446,11 @@ class _WatchStream:
     the client's current watcher, which is a newer one after a re-authentication."""
 
     def __init__(self, watcher: aetcd.watcher.Watcher, callback: aetcd.watcher.WatcherCallback,
-                 events: asyncio.Queue) -> None:
+                 events: asyncio.Queue, epoch: int = 0) -> None:
         self._watcher = watcher
         self._callback = callback
         self._events = events
+        self.epoch = epoch  # the client's endpoint epoch the watch was created in
 
     async def _iterate(self) -> AsyncIterator[aetcd.Event]:
         while True:
@@ -345,6 +476,7 @@ class _EtcdWatch:
         self.prefix = prefix
         self._store = store
         self._start_revision = start_revision
+        self._last_revision = 0  # of the last event delivered: a re-created watch starts after it
         self._watch: _WatchStream | None = None
         self._iter: AsyncIterator[aetcd.Event] | None = None
         self._closed = False
@@ -373,21 +505,48 @@ class _EtcdWatch:
             if self._closed:  # closed while starting
                 await self._cancel()
                 raise StopAsyncIteration
-        assert self._iter is not None
-        try:
-            event = await self._iter.__anext__()
-        except StopAsyncIteration:
-            self._closed = True
-            raise
-        except Exception as e:
-            self._closed = True
-            raise self._store._map_error(e, "watch") from e
+        while True:
+            assert self._iter is not None
+            try:
+                event = await self._iter.__anext__()
+                break
+            except StopAsyncIteration:
+                self._closed = True
+                raise
+            except Exception as e:
+                mapped = self._store._map_error(e, "watch")
+                if not (isinstance(mapped, MetadataUnavailable) and self._store.fails_over) or self._closed:
+                    self._closed = True
+                    raise mapped from e
+            await self._resume(mapped)
         kv = event.kv
+        self._last_revision = kv.mod_revision
         self._store._observe(kv.mod_revision)
         key = self._store._strip(kv.key)
         if event.kind == "DELETE":
             return WatchEvent(key, None, kv.mod_revision)
         return WatchEvent(key, kv.value, kv.mod_revision)
+
+    async def _resume(self, error: MetadataUnavailable) -> None:
+        """The watch stream broke (its member died, went silent or lost its leader): create the watch
+        again through another member, from the revision after the last event delivered."""
+        store = self._store
+        broken, self._watch, self._iter = self._watch, None, None
+        if broken is not None:
+            await store._client.fail_over(broken.epoch, str(error.__cause__ or error))
+        if self._last_revision:
+            self._start_revision = self._last_revision + 1
+        try:
+            await self._start()
+        except BaseException:
+            self._closed = True
+            raise
+        store.watch_resumes += 1
+        log.info("etcd watch on %r re-created through %s from revision %s", self.prefix, store.endpoint,
+                 self._start_revision)
+        if self._closed:  # closed while resuming
+            await self._cancel()
+            raise StopAsyncIteration
 
     async def _cancel(self) -> None:
         watch, self._watch = self._watch, None
@@ -414,6 +573,8 @@ class EtcdStore(MetadataStore):
         self.timeout = timeout
         self.user = user
         self.reauths = 0  # re-authentications after etcd's token expired (see _call)
+        self.failovers = 0  # requests that succeeded through another member after one failed
+        self.watch_resumes = 0  # watches re-created through another member after their stream broke
         self._ns = namespace.encode()
         self._last_revision = 0
         self._closed = False
@@ -421,6 +582,21 @@ class EtcdStore(MetadataStore):
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.url!r}, namespace={self.namespace!r})"
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Every member of the URL, ``host:port``."""
+        return tuple(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in getattr(self._client, "endpoints", ()))
+
+    @property
+    def endpoint(self) -> str | None:
+        """The member requests go to now (the first of the URL until it fails)."""
+        return getattr(self._client, "endpoint", None)
+
+    @property
+    def fails_over(self) -> bool:
+        """True when the URL lists several members: failed requests and watches move to the next one."""
+        return len(getattr(self._client, "endpoints", ())) > 1
 
     @classmethod
     async def connect(cls, url: str, *, namespace: str | None = None, timeout: float = 5.0,
@@ -430,7 +606,7 @@ class EtcdStore(MetadataStore):
         ``security`` overrides the URL's user/password (and, for ``etcds://``, its CA/cert/key)."""
         target = parse_etcd_target(url).with_security(security)
         ns = target.namespace if namespace is None else namespace
-        client = _Client(host=target.host, port=target.port, username=target.user, password=target.password,
+        client = _Client(endpoints=target.endpoints, username=target.user, password=target.password,
                          timeout=timeout, options=dict(_GRPC_OPTIONS), credentials=target.channel_credentials())
         store = cls(client, url, ns, timeout, user=target.user)
         try:
@@ -461,14 +637,17 @@ class EtcdStore(MetadataStore):
     async def _open_watch(self, key: bytes, end: bytes, start_revision: int | None) -> _WatchStream:
         await self._client.connect()
         watcher = self._client._watcher
+        epoch = getattr(self._client, "epoch", 0)
         events: asyncio.Queue = asyncio.Queue()
         callback = await watcher.add_callback(key, events.put, range_end=end, start_revision=start_revision)
-        return _WatchStream(watcher, callback, events)
+        return _WatchStream(watcher, callback, events, epoch)
 
     def _unavailable(self, detail: str, what: str) -> MetadataUnavailable:
         hint = ""
         if "socket closed" in detail.lower() and not self.url.startswith(("etcds:", "https:")):
             hint = " (if etcd serves TLS, use an etcds:// URL)"
+        if self.fails_over:
+            hint += f" (last tried member {self.endpoint})"
         return MetadataUnavailable(f"metadata store {self.url} is unavailable ({what}): {detail}{hint}")
 
     def _auth_error(self, e: BaseException, what: str) -> MetadataAuthError | None:
@@ -537,27 +716,73 @@ class EtcdStore(MetadataStore):
             self.reauths += 1
             log.info("etcd at %s: auth token expired (%s); re-authenticated as %r", self.url, what, self.user)
 
-    async def _call(self, make: Callable[[], Awaitable[T]], what: str) -> T:
+    async def _call(self, make: Callable[[], Awaitable[T]], what: str, *,
+                    lost: Callable[[T], bool] | None = None, attempt_timeout: float | None = None) -> T:
         """``await make()`` with a hard deadline, errors mapped to ``MetadataError``s; when etcd says
-        the token is no longer valid, re-authenticate and call ``make`` once more."""
+        the token is no longer valid, re-authenticate and call ``make`` once more.
+
+        With several endpoints, a ``MetadataUnavailable`` failure moves the client to the next member
+        and calls ``make`` again: at least once on every member, and on until ``timeout`` has passed
+        since the first attempt (pausing briefly after each round in which every member failed, e.g.
+        during an election). ``make`` must be safe to repeat. A guarded write passes ``lost``, which
+        says whether its result is a lost compare: after an attempt that may have been applied
+        (deadline, connection lost mid-request), a lost compare may be our own earlier write, so
+        the call raises ``MetadataUnavailable`` (outcome unknown) instead of returning it.
+        ``attempt_timeout`` (several endpoints only) bounds each attempt more tightly than
+        ``timeout``, so that a silent member is left sooner (lease keep-alives)."""
+        client = self._client
+        members = len(getattr(client, "endpoints", ())) or 1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        attempts = 0
+        maybe_applied = False
         expired: int | None = None  # the token generation etcd refused
+        bound = attempt_timeout if attempt_timeout and members > 1 else self.timeout + 1.0
         while True:
             if self._closed:
                 raise StoreClosed(f"the metadata store {self.url} is closed")
-            generation = getattr(self._client, "generation", 0)
+            generation = getattr(client, "generation", 0)
+            epoch = getattr(client, "epoch", 0)
+            attempts += 1
             try:
-                async with asyncio.timeout(self.timeout + 1.0):  # a hard bound over aetcd's own deadline
+                async with asyncio.timeout(bound):  # a hard bound over aetcd's own deadline
                     if expired is not None:
                         await self._reauthenticate(expired, what)
-                    return await make()
-            except Exception as e:
+                    await client.connect()  # after a switch: open the next member's channel first
+                    result = await make()
+            except (Exception, asyncio.CancelledError) as caught:
+                e = caught
+                if isinstance(e, asyncio.CancelledError):
+                    task = asyncio.current_task()
+                    if (task is not None and task.cancelling()) or getattr(client, "epoch", 0) == epoch:
+                        raise  # we were cancelled
+                    # grpc.aio reports a call on a channel that another caller closed (switching
+                    # members) as a cancellation: that call failed, it was not ours to cancel
+                    e = aetcd.ConnectionFailedError("the channel closed: another request switched members")
+                    e.__cause__ = caught
                 if expired is None and self.user is not None and _is_token_error(e):
                     expired = generation
                     continue
                 mapped = self._map_error(e, what)
+                if isinstance(e, TimeoutError) and attempt_timeout:
+                    mapped = self._unavailable(f"no answer within {bound:g}s", what)
+                if (members > 1 and isinstance(mapped, MetadataUnavailable) and not self._closed
+                        and (attempts < members or loop.time() - started < self.timeout)):
+                    maybe_applied = maybe_applied or _maybe_applied(e)
+                    await client.fail_over(epoch, f"{what}: {_detail(e) or type(e).__name__}")
+                    if attempts >= members:  # every member failed in a row: let an election finish
+                        await asyncio.sleep(_FAILOVER_BACKOFF_S[min(attempts - members, len(_FAILOVER_BACKOFF_S) - 1)])
+                    continue
                 if mapped is e:
                     raise
                 raise mapped from e
+            if attempts > 1:
+                self.failovers += 1
+                if lost is not None and maybe_applied and lost(result):
+                    raise self._unavailable(
+                        "the member failed while the write was in flight and the retry's compare failed: "
+                        "the write may or may not have been applied", what)
+            return result
 
     def _lease_id(self, lease: Lease | None) -> int:
         if lease is None:
@@ -610,6 +835,7 @@ class EtcdStore(MetadataStore):
                 failure=[],
             ),
             f"create {key}",
+            lost=_compare_failed,
         )
         if not ok:
             return None
@@ -632,6 +858,7 @@ class EtcdStore(MetadataStore):
                 compare=[self._compare(k, v) for k, v in compares.items()], success=success, failure=[]
             ),
             "txn",
+            lost=_compare_failed if compares else None,
         )
         if not ok:
             return TxnResult(False, {})
@@ -645,7 +872,8 @@ class EtcdStore(MetadataStore):
 
     async def delete(self, key: str, expected_version: int | None = None) -> bool:
         if expected_version is None:
-            resp = await self._call(lambda: self._client.delete(self._k(key)), f"delete {key}")
+            resp = await self._call(lambda: self._client.delete(self._k(key)), f"delete {key}",
+                                    lost=lambda r: r is None)
             if resp is None:
                 return False
             self._observe(resp.header.revision)
@@ -658,6 +886,7 @@ class EtcdStore(MetadataStore):
                 compare=[self._compare(key, expected_version)], success=[t.delete(self._k(key))], failure=[]
             ),
             f"delete {key}",
+            lost=_compare_failed,
         )
         if not ok:
             return False
@@ -694,8 +923,26 @@ class EtcdStore(MetadataStore):
         if not ttl_s > 0:
             raise ValueError("a lease TTL must be positive")
         ttl = max(1, math.ceil(ttl_s))
-        granted = await self._call(lambda: self._client.lease(ttl), "lease grant")
-        return EtcdLease(self, granted.id, float(granted.ttl))
+        if not self.fails_over:
+            granted = await self._call(lambda: self._client.lease(ttl), "lease grant")
+            return EtcdLease(self, granted.id, float(granted.ttl))
+        # several members: the client picks the lease id, so that a grant repeated on another member
+        # after an interrupted one finds its own lease ("lease already exists") instead of leaking one
+        lease_id = secrets.randbits(62) + 1
+        attempts = 0
+
+        async def grant() -> float:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return float((await self._client.lease(ttl, lease_id)).ttl)
+            except aetcd.DuplicateLeaseError:
+                if attempts == 1:
+                    raise
+                info = await self._client.get_lease_info(lease_id, keys=False)
+                return float(info.grantedTTL)
+
+        return EtcdLease(self, lease_id, await self._call(grant, "lease grant"))
 
     async def close(self) -> None:
         if self._closed:
