@@ -72,22 +72,22 @@ def test_pipeline_on_a_standalone_cluster(spark_cluster, stream_name, tmp_path):
         master = standalone.start_master(host, free_port(), free_port(), log_dir=logs, pyspark_python=python,
                                          env=code_env)
         procs.append(master)
-        master.wait_ready(120)
+        # the workers start with the master (they retry until it answers): the JVMs start in parallel
         workers = [standalone.start_worker(master.url, host, cores=1, memory="1g", webui_port=free_port(),
                                            work_dir=tmp_path / f"work-{i}", log_dir=logs, pyspark_python=python,
                                            env=code_env, name=f"worker-{i}")
                    for i in range(2)]
         procs.extend(workers)
-        for w in workers:
-            w.wait_registered(120)
-        assert len(master.wait_workers(2, 30)) == 2
-
         t0 = (int(datetime.now(UTC).timestamp()) // 60 - 20) * 60_000
         run1 = _events(t0, 60, t0 + 120_000)            # closes the windows of [t0, t0+60 s)
         run2 = _events(t0 + 150_000, 60, t0 + 330_000)  # closes everything up to t0+300 s, run1's mover included
         produce(url, source, run1, create={})
         with connect(url) as c:
             c.create_stream(sink)
+        master.wait_ready(120)
+        for w in workers:
+            w.wait_registered(120)
+        assert len(master.wait_workers(2, 30)) == 2
         out = tmp_path / "out"
 
         def run_driver(n: int) -> None:
