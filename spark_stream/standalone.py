@@ -82,7 +82,6 @@ def spark_env(host: str, log_dir: str | os.PathLike, *, work_dir: str | os.PathL
         e["SPARK_WORKER_DIR"] = str(work_dir)
     e["PYSPARK_PYTHON"] = pyspark_python or sys.executable
     e["SPARK_DAEMON_MEMORY"] = daemon_memory
-    e.setdefault("SPARK_NO_DAEMONIZE", "1")
     if env:
         e.update(env)
     return e
@@ -140,11 +139,10 @@ class SparkProcess:
             pgid = os.getpgid(self.pid)
         except ProcessLookupError:
             pgid = self.pid  # the leader is gone: its group may not be
-        for sig in (signal.SIGTERM,):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -134,3 +134,21 @@ def test_pipeline_on_a_standalone_cluster(spark_cluster, stream_name, tmp_path):
         standalone.stop_all(procs)
     for p in procs:
         assert not p.alive()
+    # nothing of theirs is left: executors and their Python workers were in the JVMs' process groups
+    assert not _group_members({p.pid for p in procs})
+
+
+def _group_members(pgids: set[int]) -> list[str]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) in pgids and fields[0] != "Z":
+            out.append(f"{d.name} {cmd}")
+    return out
