@@ -33,9 +33,14 @@ SCRIPT = textwrap.dedent("""
     spark.sparkContext.setLogLevel("ERROR")
     try:
         try:
-            spark_stream.register(spark)
+            spark_stream.register(spark, check_workers=(mode != "nocheck"))
         except spark_stream.ScrollWorkerPythonError as e:
             print("REGISTER-ERROR:", e, flush=True)
+            try:  # the outcome is cached per SparkContext: the same error, without a second job
+                spark_stream.register(spark)
+            except spark_stream.ScrollWorkerPythonError as e2:
+                print("SECOND-ERROR-SAME:", str(e2) == str(e), spark.sparkContext.statusTracker().getJobIdsForGroup(),
+                      flush=True)
             sys.exit(3)
         print("REGISTERED", flush=True)
         if mode == "write":
@@ -87,6 +92,13 @@ def test_worker_python_without_the_connector_is_a_clear_error(tmp_path, spark_cl
     assert "'grpc'" in line, line  # names what is missing
     assert str(ROOT / ".venv" / "bin" / "python") in line or sys.executable in line, line  # the Python to use
     assert "spark.archives" in line, line
+    assert "SECOND-ERROR-SAME: True [0]" in r.stdout, r.stdout  # one job in all: the first check
+
+
+def test_check_workers_false_skips_the_check(tmp_path, spark_cluster):
+    r = _run(tmp_path, "nocheck", spark_cluster.metadata_url, "unused", None)
+    assert r.returncode == 0, (r.stdout, r.stderr[-3000:])
+    assert "REGISTERED" in r.stdout
 
 
 def test_with_pyspark_python_set_it_works(tmp_path, spark_cluster, stream_name):
