@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -70,7 +71,8 @@ def spark_env(host: str, log_dir: str | os.PathLike, *, work_dir: str | os.PathL
               env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a master or worker: this process's, plus SPARK_HOME, JAVA_HOME,
     SPARK_LOCAL_IP=host (every port the JVM and its executors open binds there), SPARK_LOG_DIR,
-    SPARK_WORKER_DIR, PYSPARK_PYTHON (default: this Python), a small daemon heap, then ``env``."""
+    SPARK_WORKER_DIR, PYSPARK_PYTHON (default: this Python), a small daemon heap, the master's REST
+    submission server off, then ``env``."""
     e = dict(os.environ)
     e["SPARK_HOME"] = str(spark_home())
     jh = java or java_home()
@@ -82,6 +84,8 @@ def spark_env(host: str, log_dir: str | os.PathLike, *, work_dir: str | os.PathL
         e["SPARK_WORKER_DIR"] = str(work_dir)
     e["PYSPARK_PYTHON"] = pyspark_python or sys.executable
     e["SPARK_DAEMON_MEMORY"] = daemon_memory
+    # no REST submission server (it would listen on 6066)
+    e["SPARK_MASTER_OPTS"] = (e.get("SPARK_MASTER_OPTS", "") + " -Dspark.master.rest.enabled=false").strip()
     if env:
         e.update(env)
     return e
@@ -173,6 +177,18 @@ class SparkMaster(SparkProcess):
     def __init__(self, cmd, env, log_path, host: str, port: int, webui_port: int):
         super().__init__(cmd, env, log_path, host, webui_port)
         self.port = port
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Wait for "I have been elected leader"; then take the ports the master actually bound from its
+        log (Spark moves to the next free port when one is taken)."""
+        super().wait_ready(timeout)
+        text = self.log_text()
+        m = re.search(r"Starting Spark master at spark://\S+:(\d+)", text)
+        if m:
+            self.port = int(m.group(1))
+        m = re.search(r"Successfully started service 'MasterUI' on port (\d+)", text)
+        if m:
+            self.webui_port = int(m.group(1))
 
     @property
     def url(self) -> str:

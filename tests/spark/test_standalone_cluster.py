@@ -152,3 +152,29 @@ def _group_members(pgids: set[int]) -> list[str]:
         if int(fields[2]) in pgids and fields[0] != "Z":
             out.append(f"{d.name} {cmd}")
     return out
+
+
+def test_launcher_reports_the_bound_port_and_stops_everything(tmp_path):
+    """A taken master port: Spark binds the next one, and the launcher's URL follows; a worker
+    registers there; stop() leaves nothing of either process group."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        procs: list[standalone.SparkProcess] = []
+        try:
+            master = standalone.start_master("127.0.0.1", taken, free_port(), log_dir=tmp_path)
+            procs.append(master)
+            master.wait_ready(120)
+            assert master.port != taken and master.url == f"spark://127.0.0.1:{master.port}"
+            worker = standalone.start_worker(master.url, "127.0.0.1", cores=1, memory="512m", webui_port=free_port(),
+                                             work_dir=tmp_path / "work", log_dir=tmp_path)
+            procs.append(worker)
+            worker.wait_registered(120)
+            assert [w["host"] for w in master.wait_workers(1, 30)] == ["127.0.0.1"]
+        finally:
+            standalone.stop_all(procs)
+    assert not any(p.alive() for p in procs)
+    assert not _group_members({p.pid for p in procs})
