@@ -118,8 +118,8 @@ def _advice(python: str) -> str:
             f"On a cluster whose machines do not share this environment, install it at the same path on every "
             f"worker, or ship a packed virtualenv with spark.archives (docs/spark.md, 'Running on a Spark "
             f"cluster'). Spark's Python here: {python!r}"
-            + ("" if os.environ.get("PYSPARK_PYTHON") else " (PYSPARK_PYTHON and spark.pyspark.python unset: "
-               "'python3' from the PATH)")
+            + (" (PYSPARK_PYTHON and spark.pyspark.python unset: 'python3' from the PATH)"
+               if python == "python3" and not os.environ.get("PYSPARK_PYTHON") else "")
             + ". To skip this check: spark_stream.register(spark, check_workers=False).")
 
 
@@ -134,8 +134,10 @@ def _apply_pyspark_python(sc) -> None:
 
 
 def _check_workers(sc, timeout: float = CHECK_TIMEOUT_S) -> None:
-    """Run one task (one partition) that imports ``spark_stream`` on an executor's Python; raise
-    ScrollWorkerPythonError if it cannot. Cached per SparkContext."""
+    """Run one task (one partition) that looks up the connector's modules (WORKER_MODULES) in an
+    executor's Python; raise ScrollWorkerPythonError if any is missing, or if Spark cannot run that
+    Python or it is of another version. Cached per SparkContext; skipped with a warning when no
+    executor runs the task within ``timeout``."""
     key = sc.applicationId
     with _checked_lock:
         if key in _checked:
@@ -190,8 +192,8 @@ def _check_workers(sc, timeout: float = CHECK_TIMEOUT_S) -> None:
 def register(spark, *, check_workers: bool = True) -> None:
     """Make ``format("scroll")`` available in ``spark`` (a SparkSession).
 
-    With ``check_workers`` (the default) it first runs one tiny Spark job (one task) that imports the
-    connector on an executor's Python, and raises ``ScrollWorkerPythonError`` saying what to set
+    With ``check_workers`` (the default) it first runs one tiny Spark job (one task) that looks up the
+    connector's modules in an executor's Python, and raises ``ScrollWorkerPythonError`` saying what to set
     (PYSPARK_PYTHON / spark.pyspark.python, or a packed virtualenv) if that Python cannot: otherwise
     the first query would fail inside the executors with a long Java trace. The result is cached per
     SparkContext. ``spark.pyspark.python`` set on the session builder is applied (see
