@@ -11,7 +11,10 @@ the source's checkpointed offsets are record offsets, as in Spark's Kafka source
     .venv/bin/python examples/pipeline.py --follow         # keep running on new events
 
 Options: ``--metadata`` (default etcd://127.0.0.1:2379 or $SCROLL_METADATA), ``--source``,
-``--sink``, ``--out`` (Parquet directory and checkpoints), ``--window``, ``--watermark``. Without
+``--sink``, ``--out`` (Parquet directory and checkpoints), ``--window``, ``--watermark``, ``--master``
+(default local[2]; ``spark://host:7077`` runs it on a standalone cluster, see docs/spark.md) and
+``--conf KEY=VALUE`` (Spark settings, e.g. ``spark.driver.host`` when the executors are on other
+machines). Without
 ``--follow`` it uses Trigger.AvailableNow: it processes what is there, emits the windows the
 watermark has closed, and exits; run it again later and it resumes from its checkpoints.
 """
@@ -41,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--follow", action="store_true", help="keep running (a trigger every --interval)")
     p.add_argument("--interval", default="5 seconds")
     p.add_argument("--demo", action="store_true", help="create the streams and append sample events first")
+    p.add_argument("--master", default="local[2]",
+                   help="Spark master URL (default local[2]); e.g. spark://host:7077 for a standalone cluster")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Spark setting, applied after the defaults (repeatable), e.g. spark.executor.memory=512m")
     return p.parse_args(argv)
 
 
@@ -106,11 +113,17 @@ def main(argv=None) -> int:
 
     if args.demo:
         make_demo_events(args.metadata, args.source, args.sink)
-    spark = (SparkSession.builder.master("local[2]").appName("scroll-pipeline")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
-             .config("spark.sql.session.timeZone", "UTC").getOrCreate())
+    builder = (SparkSession.builder.master(args.master).appName("scroll-pipeline")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
+               .config("spark.sql.session.timeZone", "UTC"))
+    for kv in args.conf:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"--conf {kv!r}: expected KEY=VALUE")
+        builder = builder.config(key.strip(), value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     spark_stream.register(spark)
     try:
