@@ -226,3 +226,39 @@ def test_faults_lose_nothing_and_duplicate_nothing(cluster: ScrollCluster, tmp_p
     after = json.loads(c.scroll("check", "--json", timeout_s=300).stdout)
     assert after["ok"] and not after["fragments"], after
 
+
+
+def test_spark_pipeline_on_the_standalone_cluster(cluster: ScrollCluster, tmp_path):
+    """examples/pipeline.py, the driver on the client host, executors on the two worker hosts: its
+    output equals the input's totals per window and account, each window written once."""
+    c = cluster
+    t0 = time.monotonic()
+    c.start_spark()
+    log(f"Spark master {c.spark_master()} and {c.spark_workers} workers up in {time.monotonic() - t0:.1f} s")
+    ip = c.ip("c1")
+    out = tmp_path / "pipeline"
+    env = c.env(PYSPARK_PYTHON=c.python, SPARK_LOCAL_IP=ip)
+    env.pop("PYSPARK_DRIVER_PYTHON", None)
+    t0 = time.monotonic()
+    r = c.run("c1", [c.python, "examples/pipeline.py", "--demo", "--master", c.spark_master(),
+                     "--metadata", c.metadata_url, "--out", str(out),
+                     "--conf", f"spark.driver.host={ip}", "--conf", f"spark.driver.bindAddress={ip}",
+                     "--conf", "spark.executor.memory=512m", "--conf", "spark.executor.cores=1",
+                     "--conf", "spark.cores.max=2", "--conf", "spark.python.authenticate.socketTimeout=120s"],
+              timeout_s=400, env=env, check=False)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
+    log(f"pipeline ran in {time.monotonic() - t0:.1f} s")
+    totals = json.loads(c.run("c1", [c.python, "-m", "tests.cluster.workloads", "spark-totals", "--metadata",
+                                     c.metadata_url, "--stream", "events", "--topic", "event-totals"]).stdout)
+    assert totals["input_events"] == 600
+    assert totals["got"] == totals["want"]  # every window once, with the input's count and sum
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(out / "totals").to_pylist()
+    assert sorted((r["account"], r["events"], r["total"]) for r in rows) == \
+        sorted((k.split("/")[1], n, s) for k, [[n, s]] in totals["want"].items())
+    # it ran on the standalone executors, not in a local driver
+    apps = [a for a in c.spark_state().get("completedapps", []) if a.get("name") == "scroll-pipeline"]
+    assert len(apps) == 1, apps
+    ran = [d for n in range(1, c.spark_workers + 1) for d in (c.base / f"s{n}" / "work").glob("app-*/*")]
+    assert ran and {d.parent.name for d in ran} == {apps[0]["id"]}, ran

@@ -271,6 +271,7 @@ class ScrollCluster:
     python: str = sys.executable
     net: Network = field(init=False)
     procs: dict[str, Proc] = field(default_factory=dict)
+    spark: list = field(default_factory=list)  # spark_stream.standalone processes
 
     def __post_init__(self):
         self.base = Path(self.base).resolve()
@@ -438,23 +439,37 @@ class ScrollCluster:
 
     # ---------------------------------------------------------------- Spark
     def start_spark(self) -> None:
+        """A standalone master on s0 and a worker on each of s1.., started with pyspark's own
+        ``spark-class`` (spark_stream.standalone); workers run executors with this Python (the same
+        environment on every host: they share this filesystem) and this checkout's code."""
         from spark_stream import standalone
 
-        ui = SPARK_MASTER_UI
-        master = standalone.start_master(
-            host=self.ip("s0"), port=SPARK_MASTER_PORT, webui_port=ui, work=self.base / "spark" / "master",
-            prefix=self.net.hosts["s0"].prefix(), env=self.env())
-        self.procs["spark-master"] = master
-        for n in range(1, self.spark_workers + 1):
-            self.procs[f"spark-worker-s{n}"] = standalone.start_worker(
-                self.spark_master(), host=self.ip(f"s{n}"), cores=1, memory="1g",
-                work=self.base / "spark" / f"worker-s{n}", prefix=self.net.hosts[f"s{n}"].prefix(),
-                env=self.env(PYSPARK_PYTHON=self.python))
-        standalone.wait_workers(lambda: in_netns(self.net.hosts["c1"].ns, lambda: _get_json(
-            f"http://{self.ip('s0')}:{ui}/json/")), self.spark_workers)
+        logs = self.base / "logs"
+        code = {"PYTHONPATH": str(ROOT)}
+        master = standalone.start_master(self.ip("s0"), SPARK_MASTER_PORT, SPARK_MASTER_UI, log_dir=logs,
+                                         prefix=self.net.hosts["s0"].prefix(), pyspark_python=self.python,
+                                         env=code, name="spark-master")
+        self.spark.append(master)
+        workers = [standalone.start_worker(master.url, self.ip(f"s{n}"), cores=1, memory="1g",
+                                           webui_port=SPARK_MASTER_UI + n, work_dir=self.base / f"s{n}" / "work",
+                                           log_dir=logs, prefix=self.net.hosts[f"s{n}"].prefix(),
+                                           pyspark_python=self.python, env=code, name=f"spark-worker-s{n}")
+                   for n in range(1, self.spark_workers + 1)]
+        self.spark.extend(workers)
+        master.wait_ready(120)
+        for w in workers:
+            w.wait_registered(120)
+
+    def spark_state(self) -> dict:
+        """The master's JSON (applications, workers), fetched from the client host."""
+        return in_netns(self.net.hosts["c1"].ns, lambda: _get_json(f"http://{self.ip('s0')}:{SPARK_MASTER_UI}/json/"))
 
     # ---------------------------------------------------------------- teardown
     def stop(self) -> None:
+        if self.spark:
+            from spark_stream import standalone
+
+            standalone.stop_all(self.spark)
         for p in list(self.procs.values()):
             try:
                 if p.alive:
@@ -532,11 +547,13 @@ def main(argv=None) -> int:
                 "spark_master": c.spark_master() if args.spark_workers else None,
                 "hosts": {h.name: {"ns": h.ns, "ip": h.ip} for h in c.net.hosts.values()},
                 "processes": {n: {"host": p.extra["host"], "pid": p.popen.pid, "log": str(p.log)}
-                              for n, p in c.procs.items()}}
+                              for n, p in c.procs.items()},
+                "spark": {p.log_path.stem: {"pid": p.pid, "log": str(p.log_path)} for p in c.spark}}
         state.write_text(json.dumps(info))
         print(f"up in {time.monotonic() - t0:.0f} s\n")
         for h in c.net.hosts.values():
             runs = [n for n, p in c.procs.items() if p.extra.get("host") == h.name]
+            runs += [p.log_path.stem for p in c.spark if p.host == h.ip]
             print(f"  {h.name:<4} {h.ip:<13} ns {h.ns:<16} {', '.join(runs) or '(spare)'}")
         print(f"\nmetadata  {c.metadata_url}\nkafka     {c.bootstrap()}")
         if args.spark_workers:

@@ -230,6 +230,42 @@ def kafka_read(bootstrap: str, tps: list[tuple[str, int]]) -> dict:
     return out
 
 
+async def spark_totals(args) -> dict:
+    """What examples/pipeline.py --demo must have emitted, from its source stream (10 s windows per
+    account, the last event - the one moving the watermark - excluded), and what its sink holds."""
+    from streams.client import connect
+
+    client = await connect(args.metadata)
+    try:
+        out = {}
+        for name in (args.stream, args.topic):
+            c = await client.consumer(name)
+            end = await c.end_position()
+            got = []
+            while c.position < end:
+                got += await c.read(1000, timeout_s=5)
+            await c.close()
+            out[name] = got
+    finally:
+        await client.close()
+    events = sorted(out[args.stream], key=lambda r: r.timestamp_ms)[:-1]
+    want: dict = {}
+    for r in events:
+        k = (r.timestamp_ms - r.timestamp_ms % 10_000, r.key.decode())
+        n, total = want.get(k, (0, 0))
+        want[k] = (n + 1, total + int(r.value))
+    from datetime import UTC, datetime
+
+    got = {}
+    for r in out[args.topic]:
+        v = json.loads(r.value)
+        ws = int(datetime.fromisoformat(v["window_start"]).replace(tzinfo=UTC).timestamp() * 1000)
+        k = f"{ws}/{v['account']}"
+        got[k] = got.get(k, []) + [[v["events"], v["total"]]]
+    return {"want": {f"{w}/{a}": [list(v)] for (w, a), v in want.items()}, "got": got,
+            "input_events": len(events)}
+
+
 def leaders(bootstrap: str, topic: str) -> dict[int, int]:
     from confluent_kafka.admin import AdminClient
 
@@ -239,7 +275,7 @@ def leaders(bootstrap: str, topic: str) -> dict[int, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["pyproduce", "kproduce", "kconsume", "verify", "leaders"])
+    ap.add_argument("what", choices=["pyproduce", "kproduce", "kconsume", "verify", "leaders", "spark-totals"])
     ap.add_argument("--metadata")
     ap.add_argument("--bootstrap")
     ap.add_argument("--stream", default="orders")
@@ -258,6 +294,8 @@ def main(argv=None) -> int:
         kproduce(args)
     elif args.what == "kconsume":
         kconsume(args)
+    elif args.what == "spark-totals":
+        print(json.dumps(asyncio.run(spark_totals(args))))
     elif args.what == "leaders":
         print(json.dumps(leaders(args.bootstrap, args.topic)))
     else:
