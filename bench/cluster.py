@@ -10,7 +10,8 @@ bookies" is the same replication spread over more hosts.
   ``--records`` records of ``--value-bytes`` to a fresh stream: records/s.
 * kafka produce: confluent-kafka (acks=all, linger.ms=5, idempotent) sends ``--records`` records
   to a topic of ``--partitions`` partitions through both listeners: records/s.
-* kafka consume: a fresh confluent-kafka consumer reads the whole topic: records/s.
+* kafka consume: a fresh confluent-kafka consumer (assigned every partition) reads the whole
+  topic: records/s from assign() to the last record.
 
 The reference (ratio 1.00) is the first case: 3 bookies, no added delay. Delay: this machine's
 kernel has no ``sch_netem`` (CONFIG_NET_SCH_NETEM is not set, no module), so ``tc netem`` cannot
@@ -80,22 +81,21 @@ def kafka_produce(bootstrap: str, topic: str, n: int, size: int) -> dict:
 
 
 def kafka_consume(bootstrap: str, topic: str, n: int) -> dict:
-    from confluent_kafka import Consumer
+    """From assign() (every partition, from the beginning; no group join) to the n-th record."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{time.time_ns()}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
-    c.subscribe([topic])
-    got, t0 = 0, None
+                  "enable.auto.commit": False})
+    parts = c.list_topics(topic, timeout=30).topics[topic].partitions
+    got = 0
+    t0 = time.perf_counter()
+    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
     deadline = time.monotonic() + 300
     while got < n and time.monotonic() < deadline:
-        for m in c.consume(10_000, 1.0):
-            if m.error() is None:
-                if t0 is None:
-                    t0 = time.perf_counter()
-                got += 1
-    dt = time.perf_counter() - (t0 or time.perf_counter())
+        got += sum(1 for m in c.consume(10_000, 1.0) if m.error() is None)
+    dt = time.perf_counter() - t0
     c.close()
-    return {"records": got, "seconds": dt, "records_per_s": got / dt if dt else 0.0}
+    return {"records": got, "seconds": dt, "records_per_s": got / dt}
 
 
 def load_main(argv: list[str]) -> int:
