@@ -1,7 +1,8 @@
 """Open a metadata store by URL.
 
 * ``memory://`` - a fresh in-process ``MemoryStore`` (tests, ``scroll standalone`` experiments).
-* ``etcd://[user:password@]host:port[/namespace]`` or ``http://...`` - an ``EtcdStore``;
+* ``etcd://[user:password@]host:port[,host:port...][/namespace]`` or ``http://...`` - an ``EtcdStore``
+  (several members: fail-over between them, docs/metadata.md);
   ``etcds://`` (or ``https://``) for TLS, with ``?ca=/path&cert=/path&key=/path`` PEM files.
   ``security`` (``ClientSecurity``) overrides the URL's user/password and TLS files.
 """
