@@ -230,6 +230,22 @@ def kafka_read(bootstrap: str, tps: list[tuple[str, int]]) -> dict:
     return out
 
 
+async def last_ensembles(args) -> dict:
+    """stream -> the ensemble of its last (open) fragment."""
+    from streams.client import connect
+    from streams.topics import partition_stream
+
+    client = await connect(args.metadata)
+    try:
+        out = {}
+        for name in [args.stream] + [partition_stream(args.topic, p) for p in range(args.partitions)]:
+            info = await client.describe_stream(name)
+            out[name] = list(info.fragments[-1].ensemble)
+        return out
+    finally:
+        await client.close()
+
+
 async def spark_totals(args) -> dict:
     """What examples/pipeline.py --demo must have emitted, from its source stream (10 s windows per
     account, the last event - the one moving the watermark - excluded), and what its sink holds."""
@@ -275,7 +291,7 @@ def leaders(bootstrap: str, topic: str) -> dict[int, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["pyproduce", "kproduce", "kconsume", "verify", "leaders", "spark-totals"])
+    ap.add_argument("what", choices=["pyproduce", "kproduce", "kconsume", "verify", "leaders", "spark-totals", "ensembles"])
     ap.add_argument("--metadata")
     ap.add_argument("--bootstrap")
     ap.add_argument("--stream", default="orders")
@@ -294,6 +310,8 @@ def main(argv=None) -> int:
         kproduce(args)
     elif args.what == "kconsume":
         kconsume(args)
+    elif args.what == "ensembles":
+        print(json.dumps(asyncio.run(last_ensembles(args))))
     elif args.what == "spark-totals":
         print(json.dumps(asyncio.run(spark_totals(args))))
     elif args.what == "leaders":
