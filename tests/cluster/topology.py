@@ -6,7 +6,7 @@ whose ``eth0`` (a veth pair) plugs into the bridge with one address. Nothing is 
 namespace the caller runs in, so nothing here can reach (or be reached from) any other address.
 Partitions take a host's switch port down (its packets, both ways, go nowhere - no reset, as when
 a cable is pulled); ``heal`` brings it back. Every name carries a per-run prefix, and ``down``
-(also run at exit and on the next ``up`` for leftovers of a crashed run with the same prefix)
+(run by ``ScrollCluster.stop``, and by the next ``up`` with the same prefix for a crashed run's leftovers)
 stops every process and deletes every namespace, which deletes the links and the bridge with them.
 
 A ``ScrollCluster`` runs on a ``Network``: etcd members, bookies (each on its host, with a rack),
@@ -328,7 +328,7 @@ class ScrollCluster:
                 self.net.add_host(f"s{n}")
         self.net.add_host("c1")  # clients: producers, consumers, the Spark driver, checks
         for h in self.etcd_hosts:
-            self.start_etcd(h, initial=True)
+            self.start_etcd(h)
         for h in self.etcd_hosts:
             self.net.wait_listening("c1", (self.ip(h), ETCD_CLIENT), self.procs[f"etcd-{h}"])
         self.wait_etcd_healthy()
@@ -343,7 +343,8 @@ class ScrollCluster:
             self.net.wait_listening("c1", (self.ip(f"k{n}"), KAFKA_PORT), self.procs[f"listener-k{n}"])
         return self
 
-    def start_etcd(self, host: str, initial: bool = False) -> Proc:
+    def start_etcd(self, host: str) -> Proc:
+        """A member; started again on its data directory it rejoins (etcd ignores the initial-* flags then)."""
         ip = self.ip(host)
         peers = ",".join(f"etcd-{h}=http://{self.ip(h)}:{ETCD_PEER}" for h in self.etcd_hosts)
         d = self.base / host / "etcd"
