@@ -867,8 +867,17 @@ def test_a_commit_prepared_by_a_killed_coordinator_is_finished_by_the_next(eos_c
         txn_id = next(f"prepared-{i}" for i in range(100)
                       if _txn_coordinator(live[0].port, f"prepared-{i}") == live[0].node_id())
         coord, owner = live[0], live[1]
-        md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10)
-        part = next(p.id for p in md.topics[topic].partitions.values() if p.leader == owner.node_id())
+        # the survivor may list the listeners from before ``fresh`` joined for a moment, and claim
+        # every partition; the rebalancing pass then hands ``fresh`` its share: wait for one
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        deadline = time.monotonic() + 60
+        while True:
+            md = admin.list_topics(topic, timeout=10)
+            part = next((p.id for p in md.topics[topic].partitions.values() if p.leader == owner.node_id()), None)
+            if part is not None:
+                break
+            assert time.monotonic() < deadline, "no partition moved to the joining listener"
+            time.sleep(0.2)
         p = txn_producer(bootstrap, txn_id, **{"transaction.timeout.ms": 60_000})
         p.begin_transaction()
         p.produce(topic, b"prepared", partition=part)
