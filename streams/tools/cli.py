@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import click
@@ -30,7 +31,29 @@ metadata_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """A group whose heavy commands (the bookie server's options, the plugins' commands: the Kafka
+    listener, standalone) are built only when named or listed in ``--help``: ``scroll stream list``
+    does not import the bookie server, gRPC's server side or the Kafka protocol."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy: dict[str, Callable[[], click.Command]] = {}
+
+    def add_lazy(self, name: str, build: Callable[[], click.Command]) -> None:
+        self.lazy[name] = build
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        build = self.lazy.pop(cmd_name, None)
+        if build is not None and cmd_name not in self.commands:
+            self.add_command(build(), cmd_name)
+        return self.commands.get(cmd_name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--tls-ca", envvar="SCROLL_TLS_CA", type=click.Path(dir_okay=False), default=None,
               help="CA bundle the bookies' certificates chain to: talk TLS to them.")
 @click.option("--tls-cert", envvar="SCROLL_TLS_CERT", type=click.Path(dir_okay=False), default=None,
@@ -964,19 +987,20 @@ def _bookie_group() -> click.Group:
             raise click.UsageError("Missing option '--data-dir' (to run a bookie), or a command (decommission).")
         ctx.invoke(bookie_command, **kw)
 
-    return click.Group(
+    group = click.Group(
         "bookie", params=params, callback=run, invoke_without_command=True,
         help="Run one bookie (storage server): scroll bookie --data-dir D --port P ...\n\n"
              "Or manage bookies: scroll bookie decommission BOOKIE_ID.",
         short_help="Run a bookie, or decommission one.",
     )
+    group.add_command(decommission, "decommission")
+    return group
 
 
-bookie_group = _bookie_group()
-main.add_command(bookie_group, "bookie")
+main.add_lazy("bookie", _bookie_group)
 
 
-@bookie_group.command("decommission")
+@click.command("decommission")
 @click.argument("bookie_id")
 @click.option("--no-takeover", is_flag=True,
               help="Leave open fragments that name the bookie alone (by default such streams are taken over).")
@@ -1010,14 +1034,21 @@ def decommission(bookie_id, no_takeover, metadata, as_json):
 
 def _plugins() -> None:
     """Commands of packages that sit above streams (the Kafka shim, the Spark connector) register
-    through the ``scroll.commands`` entry-point group, so streams never imports them."""
+    through the ``scroll.commands`` entry-point group, so streams never imports them; each is loaded
+    when it is named."""
     from importlib.metadata import entry_points
 
+    def loader(ep) -> Callable[[], click.Command]:
+        def load() -> click.Command:
+            try:
+                return ep.load()
+            except Exception as exc:  # noqa: BLE001 - a broken plugin must not take `scroll bookie` down with it
+                return _broken_plugin(ep.name, ep.value, exc)
+
+        return load
+
     for ep in entry_points(group="scroll.commands"):
-        try:
-            main.add_command(ep.load(), ep.name)
-        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take `scroll bookie` down with it
-            main.add_command(_broken_plugin(ep.name, ep.value, exc), ep.name)
+        main.add_lazy(ep.name, loader(ep))
 
 
 def _broken_plugin(name: str, value: str, exc: Exception) -> click.Command:

@@ -152,3 +152,35 @@ def test_consume_follow_waits_for_records_written_later(cluster, stream_name):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_stream_command_does_not_load_the_servers():
+    """``scroll stream ...`` starts without importing the bookie server or the Kafka listener (their
+    commands load when named), and every command is still listed and runs its own --help."""
+    probe = (
+        "import sys\n"
+        "from streams.tools.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('bookie.server', 'bookie.storage', 'compat_kafka', 'spark_stream', 'grpc.aio')\n"
+        "print(sorted({m.split('.')[0] + '.' + m.split('.')[1] if '.' in m else m\n"
+        "              for m in sys.modules if m.startswith(heavy)}))\n"
+    )
+
+    def loaded(*args: str) -> tuple[str, list[str]]:
+        out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
+        *text, mods = out.stdout.strip().splitlines()
+        return "\n".join(text), eval(mods)  # noqa: S307 - our own probe's repr of a list of names
+
+    text, mods = loaded("stream", "--help")
+    assert "create" in text and mods == [], mods
+    text, mods = loaded("--help")
+    for name in ("bookie", "kafka", "standalone", "stream", "topic", "consume"):
+        assert f"  {name} " in text, text
+    text, mods = loaded("kafka", "--help")
+    assert "--port" in text or "PORT" in text, text
+    assert any(m.startswith("compat_kafka") for m in mods), mods
+    text, mods = loaded("bookie", "decommission", "--help")
+    assert "BOOKIE_ID" in text and "bookie.server" in mods, (text, mods)
