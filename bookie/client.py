@@ -103,7 +103,11 @@ class AddResults:
             return InvalidTerm(bookie, req.ledger_id, req.term, self.bookie_terms[i])
         if code == Status.NOT_TRUNCATED:
             return NotTruncated(bookie, req.ledger_id, req.entry_id, req.term)
-        return WriteFailed(bookie, req.ledger_id, req.entry_id, req.term)
+        try:
+            reason = Status(code).name
+        except ValueError:
+            reason = f"status {code}"
+        return WriteFailed(bookie, req.ledger_id, req.entry_id, req.term, self.error or reason)
 
     def events(self, reqs: Sequence[AddRequest], bookie: str) -> list:
         if self.statuses is None:

@@ -853,7 +853,7 @@ class Engine:
 
     def check_disk(self) -> None:
         free = self.free_bytes()
-        was = self.read_only_reason
+        was = self._read_only_kind()
         if free < self.min_free_bytes:
             self._floor_reason = f"free space {free} bytes is under the floor of {self.min_free_bytes} bytes"
         else:
@@ -864,7 +864,7 @@ class Engine:
                 elif self._retry_job is None:
                     self._io_error = None
         now = self.read_only_reason
-        if now != was:
+        if self._read_only_kind() != was:  # not on every check: the free byte count in the reason moves
             if now:
                 log.error("bookie is read-only: %s", now)
                 if self._space is not None:
@@ -872,6 +872,9 @@ class Engine:
             else:
                 log.info("bookie is writable again")
         self.metrics.read_only.set(1 if now else 0)
+
+    def _read_only_kind(self) -> tuple[bool, str | None]:
+        return self._floor_reason is not None, self._io_error
 
     def io_failure(self, exc: Exception) -> None:
         """A journal or flush write failed: read-only until space comes back and writes work."""

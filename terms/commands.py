@@ -110,7 +110,10 @@ class WriterConfig:
     max_inflight_entries: int = 10_000  # appended but not yet fully replicated
     max_inflight_bytes: int = 64 * 1024 * 1024
     lac_push_idle_s: float = 0.005  # push the LAC explicitly after this long without a send
-    ensemble_retry_s: float = 0.002  # while a failed bookie waits for a replacement, retry this often
+    ensemble_retry_s: float = 0.002  # while a failed bookie waits for a replacement, retry this often ...
+    ensemble_retry_max_s: float = 0.5  # ... doubling per failed placement up to this
+    rejoin_backoff_s: float = 0.01  # a bookie whose write failed is placed again only after this ...
+    rejoin_backoff_max_s: float = 4.0  # ... doubling per failure without an ack in between, up to this
     recovery_read_window: int = 16  # recovery reads in flight at once
     unsafe: UnsafeSwitches = field(default_factory=UnsafeSwitches)
 
@@ -119,3 +122,5 @@ class WriterConfig:
             raise ValueError("in-flight limits must be positive")
         if self.lac_push_idle_s < 0 or self.ensemble_retry_s <= 0:
             raise ValueError("lac_push_idle_s must be >= 0 and ensemble_retry_s > 0")
+        if self.ensemble_retry_max_s < self.ensemble_retry_s or not 0 <= self.rejoin_backoff_s <= self.rejoin_backoff_max_s:
+            raise ValueError("retry and back-off maxima must not be under their starting values")

@@ -88,12 +88,14 @@ class NotTruncated:
 
 @dataclass(frozen=True, slots=True)
 class WriteFailed:
-    """The driver's verdict: a write to this bookie timed out or its connection broke."""
+    """The driver's verdict: a write to this bookie timed out, its connection broke, or the bookie
+    refused it (``reason``: what it said, e.g. READ_ONLY)."""
 
     bookie: str
     ledger_id: int
     entry_id: int
     term: int
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

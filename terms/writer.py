@@ -163,6 +163,14 @@ class LedgerWriter:
         self.inflight_bytes = 0
         self.failed: set[str] = set()  # members of the current ensemble whose writes failed
         self.ever_failed: set[str] = set()
+        # A bookie whose write failed is placed again (its own slot or another) only after a back-off
+        # that doubles per failure without an ack in between: with every bookie refusing (disks full,
+        # all down but still registered) the writer would otherwise re-place, CAS and resend in a loop.
+        self.strikes: dict[str, int] = {}
+        self.rejoin_at: dict[str, float] = {}
+        self.fail_reasons: dict[str, str] = {}  # what each bookie's last failed write said
+        self.place_retry_s = self.config.ensemble_retry_s  # doubles per failed placement, reset on success
+        self.stalled: str | None = None  # why the last placement failed (logged once per stall)
         self.cas_reason: str | None = None
         self._cas_target: LedgerMeta = ledger
         self.dirty_sent: tuple[Fragment, ...] = ()
@@ -264,12 +272,17 @@ class LedgerWriter:
 
         Mirrors ``_on_tick``: a failed bookie waiting for a replacement (placement may have failed,
         or a pinned bookie waits to be unpinned) is retried every ``ensemble_retry_s`` counted from
-        the last tick; the LAC is pushed ``lac_push_idle_s`` after the last send."""
+        the last tick (doubling per failed placement up to ``ensemble_retry_max_s``, and no later than
+        the moment a backed-off bookie may be placed again); the LAC is pushed ``lac_push_idle_s``
+        after the last send."""
         if self.cas_reason is not None or self.phase in TERMINAL:
             return None  # a CAS answer is an event; both timed actions wait for it
         deadline = None
         if self.failed and self.phase in (Phase.OPEN, Phase.RECOVERING):
-            deadline = self.last_tick_at + self.config.ensemble_retry_s
+            deadline = self.last_tick_at + self.place_retry_s
+            cooling = [t for t in self.rejoin_at.values() if t > self.now]
+            if cooling:
+                deadline = min(deadline, max(min(cooling), self.last_tick_at + self.config.ensemble_retry_s))
         if self.phase is Phase.OPEN and self.lac > self.lac_pushed:
             push_at = self.last_send_at + self.config.lac_push_idle_s
             if deadline is None or push_at < deadline:
@@ -527,6 +540,13 @@ class LedgerWriter:
         if p is None or ev.bookie not in self._targets(ev.entry_id, p):
             return
         p.acks.add(ev.bookie)
+        if self.strikes and ev.bookie in self.strikes:  # it accepts again: its next failure backs off from the start
+            del self.strikes[ev.bookie]
+            self.rejoin_at.pop(ev.bookie, None)
+            if self.stalled is not None:
+                log.warning("ledger=%s term=%s %s accepts writes again: appends go on", self.ledger.ledger_id,
+                            self.term, ev.bookie)
+                self.stalled = None
         self._advance()
 
     def _advance(self) -> None:
@@ -566,9 +586,15 @@ class LedgerWriter:
     def _on_write_failed(self, ev: WriteFailed | NotTruncated, send_id: int = 0) -> None:
         if ev.term != self.term or self._stale(ev.bookie, send_id) or ev.bookie in self.failed:
             return
-        log.info("ledger=%s term=%s write to %s failed (entry %s)", self.ledger.ledger_id, self.term, ev.bookie, ev.entry_id)
+        why = getattr(ev, "reason", "") or type(ev).__name__
+        log.info("ledger=%s term=%s write to %s failed (entry %s): %s", self.ledger.ledger_id, self.term, ev.bookie,
+                 ev.entry_id, why)
+        self.fail_reasons[ev.bookie] = why
         self.failed.add(ev.bookie)
         self.ever_failed.add(ev.bookie)
+        k = self.strikes[ev.bookie] = self.strikes.get(ev.bookie, 0) + 1
+        c = self.config
+        self.rejoin_at[ev.bookie] = self.now + min(c.rejoin_backoff_max_s, c.rejoin_backoff_s * 2 ** min(k - 1, 30))
         self._change_ensemble()
 
     def _pinned(self, bookie: str, first_entry_id: int) -> bool:
@@ -589,7 +615,9 @@ class LedgerWriter:
         keep = {i: b for i, b in enumerate(ens) if b not in replace}
         new_ens = self._place(len(ens), keep, avoid=set(ens))
         if new_ens is None:
+            self.place_retry_s = min(self.config.ensemble_retry_max_s, self.place_retry_s * 2)
             return  # retried on Tick (see next_deadline)
+        self.place_retry_s = self.config.ensemble_retry_s
         newcomers = {b for i, b in enumerate(new_ens) if i not in keep}
         if first == self.fragment.first_entry_id:
             frag = self.fragment.with_(ensemble=new_ens)
@@ -633,12 +661,21 @@ class LedgerWriter:
     def _place(self, size: int, keep: dict[int, str], avoid: set[str]) -> tuple[str, ...] | None:
         """Fresh bookies first; then ones that failed us before; last, a failed member may rejoin
         its own slot as a newcomer (a reconnect: everything from LAFR + 1 is resent to it)."""
-        for exclude in (avoid | self.ever_failed, avoid, set(keep.values())):
+        kept = set(keep.values())
+        cooling = {b for b, t in self.rejoin_at.items() if t > self.now} - kept if self.rejoin_at else set()
+        for exclude in (avoid | self.ever_failed, avoid, kept):
             try:
-                return self.placement.choose(size, exclude=exclude, keep=keep)
+                return self.placement.choose(size, exclude=exclude | cooling, keep=keep)
             except NotEnoughBookies as exc:
                 err = exc
-        log.debug("ledger=%s term=%s cannot place an ensemble: %s", self.ledger.ledger_id, self.term, err)
+        reason = str(err)
+        if cooling:
+            said = ", ".join(f"{b} ({self.fail_reasons.get(b, 'failed')})" for b in sorted(cooling))
+            reason += f"; {said} failed lately and are retried after a back-off"
+        if self.stalled is None and self.failed:
+            log.warning("ledger=%s term=%s cannot replace %s: %s; appends wait", self.ledger.ledger_id, self.term,
+                        sorted(self.failed), reason)
+        self.stalled = reason
         return None
 
     def _outstanding_to_live(self) -> bool:

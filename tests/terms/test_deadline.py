@@ -33,27 +33,66 @@ def test_idle_writer_has_no_deadline_and_an_ack_sets_the_idle_lac_push():
     assert w.lac_pushed == e and w.next_deadline() is None  # idle again
 
 
-def test_a_failed_bookie_without_a_replacement_is_retried_every_ensemble_retry_s():
+def test_a_failed_bookie_without_a_replacement_is_retried_at_growing_intervals():
     c = Cluster(n=3)
-    w = c.open_writer(ensemble_retry_s=0.002)
+    w = c.open_writer(ensemble_retry_s=0.002, ensemble_retry_max_s=0.016, rejoin_backoff_s=0.05)
     e = c.append(w, b"one")
     w.handle(Tick(w.last_send_at + w.config.lac_push_idle_s))  # push the LAC: idle
     assert w.next_deadline() is None and e not in w.pending
 
     w.placement.set_bookies([BookieInfo("b0"), BookieInfo("b1")])  # nowhere to place a replacement
     c.fail = {"b2"}
+    failed_at = w.now
     c.append(w, b"two")
     assert w.failed == {"b2"} and c.ledger.last_fragment_index == 0
-    t = w.next_deadline()
-    assert t is not None and t <= w.last_tick_at + w.config.ensemble_retry_s
-    c.run(w, w.handle(Tick(t)))  # still nowhere: retried again one interval later
-    assert w.failed == {"b2"} and w.next_deadline() == t + w.config.ensemble_retry_s
+    gaps = []
+    while w.now < failed_at + 0.04:  # b2 is not even a candidate before its back-off
+        t = w.next_deadline()
+        assert t is not None and t > w.last_tick_at
+        gaps.append(round(t - w.last_tick_at, 6))
+        c.run(w, w.handle(Tick(t)))
+        assert w.failed == {"b2"} and c.ledger.last_fragment_index == 0
+    # doubling up to the maximum: a handful of ticks, not one every 2 ms (20 in 40 ms)
+    assert len(gaps) <= 7 and max(gaps) <= 0.016 and 0.016 in gaps, gaps
 
     w.placement.set_bookies([BookieInfo(b) for b in ("b0", "b1", "b2")])  # b2 back (a reconnect)
     c.fail = set()
-    c.run(w, w.handle(Tick(w.next_deadline())))
-    assert not w.failed and c.ledger.last_fragment_index == 1 and not w.pending
-    assert w.next_deadline() == w.last_send_at + w.config.lac_push_idle_s  # only the LAC push is left
+    while w.failed:
+        t = w.next_deadline()
+        c.run(w, w.handle(Tick(t)))
+        if w.failed:
+            assert w.now < failed_at + w.config.rejoin_backoff_s  # placed again once its back-off is over
+    assert w.now >= failed_at + w.config.rejoin_backoff_s
+    assert c.ledger.last_fragment_index == 1 and not w.pending
+    assert w.next_deadline() in (None, w.last_send_at + w.config.lac_push_idle_s)  # at most the LAC push is left
+
+
+def test_bookies_that_all_refuse_writes_are_retried_with_a_back_off_not_in_a_loop():
+    """Every bookie refuses writes (disks full: READ_ONLY) and the placement has no other: the
+    writer re-places the refusing bookies only after a back-off that doubles per refusal, so over a
+    simulated minute it changes its ensemble (a metadata write each) a few dozen times, not once per
+    answer; the entry is written once a bookie accepts again, and nothing is lost."""
+    c = Cluster(n=3)
+    w = c.open_writer(ensemble_retry_s=0.002, rejoin_backoff_s=0.01, rejoin_backoff_max_s=4.0)
+    c.append(w, b"one")
+    c.fail = {"b0", "b1", "b2"}
+    start, version = w.now, c.version
+    e = c.append(w, b"two")
+    ticks = 0
+    while w.now < start + 60:
+        t = w.next_deadline()
+        assert t is not None and t >= w.last_tick_at + w.config.ensemble_retry_s - 1e-9
+        c.run(w, w.handle(Tick(t)))
+        ticks += 1
+    changes = c.version - version
+    assert e in w.pending and e not in c.acked and w.phase is Phase.OPEN
+    assert 3 <= changes <= 3 * (60 / 4 + 10), changes  # each bookie: 10 ms, 20 ms, ... then every 4 s
+    assert ticks <= 60 / 0.5 * 2 + 3 * (60 / 4 + 10), ticks  # no 2 ms ticking for a minute
+    c.fail = set()
+    while e not in c.acked:
+        c.run(w, w.handle(Tick(w.next_deadline())))
+    assert w.now <= start + 60 + 4.0 + 1e-6 and not w.failed
+    assert [c.bookies[b].entries[e][1].endswith(b"two") for b in w.fragment.ensemble] == [True] * 3
 
 
 def test_no_deadline_while_a_metadata_change_is_in_flight_or_after_the_writer_finished():
@@ -111,3 +150,7 @@ def test_config_rejects_a_non_positive_retry_interval():
 
     with pytest.raises(ValueError):
         WriterConfig(ensemble_retry_s=0)
+    with pytest.raises(ValueError):
+        WriterConfig(ensemble_retry_s=1.0, ensemble_retry_max_s=0.5)
+    with pytest.raises(ValueError):
+        WriterConfig(rejoin_backoff_s=5.0, rejoin_backoff_max_s=4.0)
