@@ -690,6 +690,12 @@ class BookieClient:
             if not r.data_port:
                 raise BookieUnavailableError(f"bookie {self.bookie} reports no data port")
             self.data_address = f"{self.address.rpartition(':')[0]}:{r.data_port}"
+            # a bookie configured for smaller frames than ours would refuse every full one (a
+            # resend after an ensemble change fills frames): keep under its limits
+            if r.max_batch_adds:
+                self.max_batch_adds = min(self.max_batch_adds, r.max_batch_adds)
+            if r.max_batch_bytes:
+                self.max_batch_bytes = min(self.max_batch_bytes, r.max_batch_bytes)
         host, _, port = self.data_address.rpartition(":")
         return host.strip("[]"), int(port)
 

@@ -108,7 +108,7 @@ class BookieService(pb_grpc.BookieServicer):
             status=Status.OK, bookie_id=self.bookie_id, free_bytes=e.free_bytes(), used_bytes=used,
             read_only=e.read_only_reason is not None, read_only_reason=e.read_only_reason or "",
             ledgers=len(e.states), write_cache_bytes=e.write_cache.bytes, version=VERSION,
-            data_port=self.data_port,
+            data_port=self.data_port, max_batch_adds=e.config.max_batch_adds, max_batch_bytes=e.config.max_batch_bytes,
         )
 
 

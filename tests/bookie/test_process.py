@@ -184,8 +184,9 @@ def test_bad_input_gets_clear_errors_and_loses_nothing(bookie_process) -> None:
             # oversized entry (within the message limit): refused on its own
             res = await c.submit([AddRequest(1, 200, 2, 0, 0, b"ok"), AddRequest(1, 201, 2, 0, 0, b"x" * 10_000)])
             assert res.statuses == [Status.OK, Status.TOO_LARGE]
-            # a submission over the batch limits is split by the client; each oversized entry is refused
-            huge = await c.submit([AddRequest(1, 300 + i, 2, 0, 0, b"h" * 4000) for i in range(5000)])
+            # a submission over the bookie's batch limits is split by the client (to the limits Info
+            # gave); each oversized entry is refused on its own
+            huge = await c.submit([AddRequest(1, 300 + i, 2, 0, 0, b"h" * 5000) for i in range(5000)])
             assert set(huge.statuses) == {Status.TOO_LARGE}
             # reads of unknown ledgers and entries
             with pytest.raises(NoSuchLedgerError):
@@ -237,3 +238,23 @@ def test_a_client_follows_a_restarted_bookie_to_its_new_data_port(bookie_process
 
     run(scenario())
     assert bp.terminate() == 0
+
+
+def test_a_client_keeps_its_frames_under_the_bookies_limits(bookie_process) -> None:
+    """A bookie configured for smaller ADD frames than the client's defaults (4 MiB, 2,000 adds)
+    says so in Info; the client splits a large submit (as a writer's resend after an ensemble change
+    is) to fit, instead of sending frames the bookie refuses every time."""
+    bp = bookie_process(overrides={"max_batch_bytes": 256 * 1024, "max_batch_adds": 100}).start()
+
+    async def scenario() -> None:
+        async with BookieClient(bp.address, call_timeout_s=10) as c:
+            assert isinstance(await c.fence(5, 1), FenceOk)
+            assert isinstance(await c.add(AddRequest(5, 0, 1, -1, -1, b"noop", truncate=True)), AddOk)
+            assert (c.max_batch_bytes, c.max_batch_adds) == (256 * 1024, 100)  # learnt with the data port
+            payloads = [bytes([i % 251]) * 1024 for i in range(1, 1201)]  # 1.2 MB, 1,200 adds
+            res = await c.submit([AddRequest(5, i, 1, 0, 0, p) for i, p in enumerate(payloads, 1)])
+            assert res.all_ok, res.error
+            got = await c.read(5, 0, 2000)
+            assert [e.data for e in got.entries] == [b"noop", *payloads]
+
+    run(scenario())
