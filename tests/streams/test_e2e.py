@@ -265,6 +265,12 @@ def test_stopped_producer_is_fenced_by_a_take_over_from_another_process(client, 
 
 def test_a_large_stream_spreads_over_all_bookies(client, cluster, stream_name):
     client.create_stream(stream_name, fragment_bytes_max=1 << 20)
+    # every bookie registered when the producer takes over (on a loaded machine a bookie restarted by
+    # an earlier test, or one whose lease lapsed and came back, may be missing for a moment)
+    deadline = time.monotonic() + 60
+    while len(client.live_bookies()) < len(cluster.bookies):
+        assert time.monotonic() < deadline, client.live_bookies()
+        time.sleep(0.05)
     value = os.urandom(60 * 1024)
     with client.producer(stream_name, ProducerOptions(batch_bytes=64 << 10)) as p:  # a record per entry
         p.append_many([value] * 850)  # ~50 MB
