@@ -157,6 +157,8 @@ class Broker:
         self._open_slots = asyncio.Semaphore(self.config.max_concurrent_opens)
         self._topic_reads: dict[str, tuple[float, asyncio.Future]] = {}  # see _topic_for_open
         self._snapshotter: asyncio.Task | None = None  # one for all partitions (see _snapshot_loop)
+        self._snapshot_candidates: set[PartitionLog] = set()  # appended to (or opened) since its last round
+        self._snapshot_wanted = asyncio.Event()
         self._rebalancer: asyncio.Task | None = None  # see _rebalance_loop
         self._handing_over: dict[tuple[str, int], int] = {}  # partition -> node it is being handed over to
         self.handed_over = 0  # partitions handed over to other listeners since start
@@ -356,8 +358,8 @@ class Broker:
             if not await self.ownership.claim(partition_key(topic, index)):
                 raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
                                           f"{self.node_id})")
-            plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append,
-                                writable=write)
+            plog = PartitionLog(self.client, topic, index, self.config.partition, writable=write)
+            plog.on_append = functools.partial(self._partition_appended, plog)
             try:
                 await plog.open()
             except BaseException:
@@ -376,19 +378,38 @@ class Broker:
                 return old
             asyncio.ensure_future(old.close())
         self._logs[(topic, index)] = plog
-        if write and self._snapshotter is None:
-            self._snapshotter = asyncio.get_running_loop().create_task(self._snapshot_loop(), name="kafka-snapshots")
+        if write:
+            self._snapshot_candidate(plog)  # (a take-over may have recovered batches past its last snapshot)
+            if self._snapshotter is None:
+                self._snapshotter = asyncio.get_running_loop().create_task(self._snapshot_loop(),
+                                                                           name="kafka-snapshots")
         return plog
+
+    def _partition_appended(self, plog: PartitionLog) -> None:
+        self._snapshot_candidate(plog)
+        self._notify_append()
+
+    def _snapshot_candidate(self, plog: PartitionLog) -> None:
+        self._snapshot_candidates.add(plog)
+        self._snapshot_wanted.set()
 
     async def _snapshot_loop(self) -> None:
         """Producer-state snapshots of every writable partition that had batches acknowledged since
         its last one (``PartitionLog.snapshot_if_due``): one timer for the listener, however many
-        partitions are open, and a bounded number of snapshot writes in flight."""
+        partitions are open, and a bounded number of snapshot writes in flight. Only the partitions
+        that had an append (or were opened) since the last round are looked at, and the task sleeps
+        while there are none: idle partitions cost nothing."""
         while True:
+            await self._snapshot_wanted.wait()
             await asyncio.sleep(self.config.partition.snapshot_interval_s)
-            due = [p for p in self._logs.values() if p.snapshot_due]
+            self._snapshot_wanted.clear()
+            candidates, self._snapshot_candidates = self._snapshot_candidates, set()
+            due = [p for p in candidates if self._logs.get((p.topic, p.partition)) is p and p.snapshot_due]
             for i in range(0, len(due), SNAPSHOT_CONCURRENCY):
                 await asyncio.gather(*(p.snapshot_if_due() for p in due[i:i + SNAPSHOT_CONCURRENCY]))
+            for p in due:
+                if p.snapshot_due:  # the write failed, or more was acknowledged meanwhile: next round
+                    self._snapshot_candidate(p)
 
     async def _topic_for_open(self, name: str) -> TopicMeta | None:
         """The topic, as ``topic`` answers it, read once for the partitions of a topic opened
