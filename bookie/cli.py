@@ -159,8 +159,26 @@ async def _report_space(server: BookieServer, registrar, interval_s: float) -> N
     engine = server.service.engine
     while True:
         await asyncio.sleep(interval_s)
+        now = dict(free_bytes=engine.free_bytes(), used_bytes=engine.used_bytes(),
+                   read_only=engine.read_only_reason is not None)
+        if not _space_changed(registrar.registration, now):
+            continue  # an idle bookie writes nothing (a put is a raft write and an fsync in etcd)
         try:
-            await registrar.update(free_bytes=engine.free_bytes(), used_bytes=engine.used_bytes(),
-                                   read_only=engine.read_only_reason is not None)
+            await registrar.update(**now)
         except MetadataError as exc:
             log.warning("could not update the registration: %s", exc)
+
+
+SPACE_CHANGE_MIN = 1 << 20  # bytes; free/used are published when they moved by this much, or by 1%
+
+
+def _space_changed(reg, now: dict) -> bool:
+    """Whether the registration's space figures are worth a write: the read-only flag changed, or
+    free or used bytes moved by at least 1 MiB and 1% (they are shown by ``scroll bookies``)."""
+    if reg.read_only != now["read_only"]:
+        return True
+    for field in ("free_bytes", "used_bytes"):
+        old, new = getattr(reg, field), now[field]
+        if abs(new - old) >= max(SPACE_CHANGE_MIN, abs(old) // 100):
+            return True
+    return False

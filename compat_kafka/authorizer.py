@@ -2,9 +2,10 @@
 principal, the checks every API makes (``GUARDS``), and the ACL and SCRAM admin APIs.
 
 How this works. Each binding is one key ``kafka/acls/<hash>`` (the binding, JSON). Every listener
-keeps them all in memory (``acls.AclSet``) and reads them again every ``refresh_s`` (0.5 s), so a
-change made through one listener applies on every other within about a second; the listener that
-made the change applies it at once. Decisions are cached per (principal, host, resource, operation)
+keeps them all in memory (``acls.AclSet``) and reads them again when a watch on ``kafka/acls/``
+reports a change (at most every ``refresh_s``, 0.5 s; without any change seen, every
+``RECHECK_S``), so a change made through one listener applies on every other within about a
+second; the listener that made the change applies it at once. Unchanged ACLs cost no request. Decisions are cached per (principal, host, resource, operation)
 and the cache is dropped whenever the bindings change, so the produce/fetch path costs a dict
 lookup per topic. The principal of a connection (``principal()``) is ``User:<name>`` after SASL,
 else ``User:<subject DN>`` for a TLS client with a verified certificate, else ``User:ANONYMOUS``;
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kafka/acls/"
 REFRESH_S = 0.5
+RECHECK_S = 60.0  # the bindings are read again this often even without a change seen (a lost watch)
 MAX_CACHED_DECISIONS = 100_000
 
 TOPIC, GROUP, CLUSTER, TXN = ResourceType.TOPIC, ResourceType.GROUP, ResourceType.CLUSTER, ResourceType.TRANSACTIONAL_ID
@@ -84,7 +86,9 @@ class Authorizer:
     # ---------------------------------------------------------------- the bindings in force
     async def start(self) -> None:
         await self.reload()
-        self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop(), name="kafka-acls")
+        # watched from the revision after that read (etcd) / from now (memory): no change is missed
+        watch = self.store.watch_prefix(PREFIX)
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop(watch), name="kafka-acls")
 
     async def close(self) -> None:
         if self._refresher is not None:
@@ -92,13 +96,42 @@ class Authorizer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._refresher
 
-    async def _refresh_loop(self) -> None:
+    async def _refresh_loop(self, watch) -> None:
+        changed = asyncio.Event()
+        watcher = asyncio.get_running_loop().create_task(self._watch(watch, changed), name="kafka-acls-watch")
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), RECHECK_S)
+                changed.clear()
+                try:
+                    await self.reload()
+                except Exception as exc:  # the store unreachable: keep the bindings known, try again
+                    log.warning("ACLs could not be read again: %r", exc)
+                    changed.set()
+                await asyncio.sleep(self.refresh_s)  # several changes close together: one read
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await watcher
+
+    async def _watch(self, watch, changed: asyncio.Event) -> None:
+        """Set ``changed`` on every change under ``kafka/acls/``; a broken watch is opened again
+        (and counts as a change: what happened meanwhile is read)."""
         while True:
-            await asyncio.sleep(self.refresh_s)
             try:
-                await self.reload()
-            except Exception as exc:  # the store unreachable: keep the bindings known
-                log.warning("ACLs could not be read again: %r", exc)
+                async for _event in watch:
+                    changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.info("the watch on the ACLs broke: %r", exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watch.aclose()
+            changed.set()
+            await asyncio.sleep(self.refresh_s)
+            watch = self.store.watch_prefix(PREFIX)
 
     async def reload(self) -> None:
         rows = await self.store.list_prefix(PREFIX)

@@ -59,6 +59,7 @@ from .errors import (
 from .fetch_sessions import FetchSession, FetchSessionCache, SessionError
 from .groups import GroupConfig, GroupCoordinator
 from .interbroker import BROKER_PRINCIPAL, InterBrokerClient, ensure_identity
+from .ownership import BROKERS as OWNERSHIP_BROKERS
 from .ownership import OWNERS, Ownership, coordinator_key, parse_partition_key, partition_key, preferred
 from .partition import PartitionConfig, PartitionLog
 from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
@@ -109,7 +110,11 @@ class BrokerConfig:
     rebalance: bool = True
     rebalance_batch: int = 8  # partitions in hand-over at once, per listener
     rebalance_delay_s: float = 3.0  # the live listeners must be unchanged this long before partitions move
-    rebalance_check_s: float = 1.0  # how often the live listeners are listed (one small read of kafka/brokers/)
+    # while a change of the live listeners is pending (or a pass failed), they are listed this often
+    # (one small read of kafka/brokers/); otherwise a watch on kafka/brokers/ wakes the check, and
+    # they are listed again after rebalance_recheck_s without any change seen (a lost watch)
+    rebalance_check_s: float = 1.0
+    rebalance_recheck_s: float = 60.0
     hand_over_timeout_s: float = 10.0  # a hand-over waits at most this long for queued appends
     # Kafka ACLs (authorizer.py): with acls off every principal may do anything (as before)
     acls: bool = False
@@ -152,6 +157,8 @@ class Broker:
         self._open_slots = asyncio.Semaphore(self.config.max_concurrent_opens)
         self._topic_reads: dict[str, tuple[float, asyncio.Future]] = {}  # see _topic_for_open
         self._snapshotter: asyncio.Task | None = None  # one for all partitions (see _snapshot_loop)
+        self._snapshot_candidates: set[PartitionLog] = set()  # appended to (or opened) since its last round
+        self._snapshot_wanted = asyncio.Event()
         self._rebalancer: asyncio.Task | None = None  # see _rebalance_loop
         self._handing_over: dict[tuple[str, int], int] = {}  # partition -> node it is being handed over to
         self.handed_over = 0  # partitions handed over to other listeners since start
@@ -351,8 +358,8 @@ class Broker:
             if not await self.ownership.claim(partition_key(topic, index)):
                 raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
                                           f"{self.node_id})")
-            plog = PartitionLog(self.client, topic, index, self.config.partition, self._notify_append,
-                                writable=write)
+            plog = PartitionLog(self.client, topic, index, self.config.partition, writable=write)
+            plog.on_append = functools.partial(self._partition_appended, plog)
             try:
                 await plog.open()
             except BaseException:
@@ -371,19 +378,38 @@ class Broker:
                 return old
             asyncio.ensure_future(old.close())
         self._logs[(topic, index)] = plog
-        if write and self._snapshotter is None:
-            self._snapshotter = asyncio.get_running_loop().create_task(self._snapshot_loop(), name="kafka-snapshots")
+        if write:
+            self._snapshot_candidate(plog)  # (a take-over may have recovered batches past its last snapshot)
+            if self._snapshotter is None:
+                self._snapshotter = asyncio.get_running_loop().create_task(self._snapshot_loop(),
+                                                                           name="kafka-snapshots")
         return plog
+
+    def _partition_appended(self, plog: PartitionLog) -> None:
+        self._snapshot_candidate(plog)
+        self._notify_append()
+
+    def _snapshot_candidate(self, plog: PartitionLog) -> None:
+        self._snapshot_candidates.add(plog)
+        self._snapshot_wanted.set()
 
     async def _snapshot_loop(self) -> None:
         """Producer-state snapshots of every writable partition that had batches acknowledged since
         its last one (``PartitionLog.snapshot_if_due``): one timer for the listener, however many
-        partitions are open, and a bounded number of snapshot writes in flight."""
+        partitions are open, and a bounded number of snapshot writes in flight. Only the partitions
+        that had an append (or were opened) since the last round are looked at, and the task sleeps
+        while there are none: idle partitions cost nothing."""
         while True:
+            await self._snapshot_wanted.wait()
             await asyncio.sleep(self.config.partition.snapshot_interval_s)
-            due = [p for p in self._logs.values() if p.snapshot_due]
+            self._snapshot_wanted.clear()
+            candidates, self._snapshot_candidates = self._snapshot_candidates, set()
+            due = [p for p in candidates if self._logs.get((p.topic, p.partition)) is p and p.snapshot_due]
             for i in range(0, len(due), SNAPSHOT_CONCURRENCY):
                 await asyncio.gather(*(p.snapshot_if_due() for p in due[i:i + SNAPSHOT_CONCURRENCY]))
+            for p in due:
+                if p.snapshot_due:  # the write failed, or more was acknowledged meanwhile: next round
+                    self._snapshot_candidate(p)
 
     async def _topic_for_open(self, name: str) -> TopicMeta | None:
         """The topic, as ``topic`` answers it, read once for the partitions of a topic opened
@@ -409,37 +435,73 @@ class Broker:
 
     # ---------------------------------------------------------------- rebalancing (several listeners)
     async def _rebalance_loop(self) -> None:
-        """Every ``rebalance_check_s``, list the live listeners (one small read of ``kafka/brokers/``;
-        nothing else happens while they do not change). Once a changed set has stayed the same for
+        """List the live listeners (one small read of ``kafka/brokers/``) when a watch on
+        ``kafka/brokers/`` reports a change (at the latest every ``rebalance_recheck_s``), and every
+        ``rebalance_check_s`` while a change is pending. Once a changed set has stayed the same for
         ``rebalance_delay_s`` (a starting cluster registers its listeners first), hand over the
         partitions this listener holds whose preferred node (rendezvous over the live listeners) is
         now another one (``_rebalance``); a pass that could not finish (a transaction open, a
-        hand-over failed) is tried again at the next check."""
+        hand-over failed) is tried again at the next check. An idle cluster costs no request."""
         c = self.config
         loop = asyncio.get_running_loop()
         seen: tuple[int, ...] | None = None
         changed_at = loop.time()
         done_for: tuple[int, ...] | None = None
+        changed = asyncio.Event()
+        watcher = loop.create_task(self._watch_brokers(changed), name="kafka-brokers-watch")
+        try:
+            while True:
+                if seen is not None and seen == done_for:  # settled: wait for a change
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), c.rebalance_recheck_s)
+                    if changed.is_set():
+                        await asyncio.sleep(c.rebalance_check_s)  # let a burst of changes land first
+                else:
+                    await asyncio.sleep(c.rebalance_check_s)
+                if not self.ownership.valid:
+                    continue
+                changed.clear()  # before the listing: a change during it wakes the next check
+                try:
+                    live = tuple(b.node_id for b in await self.ownership.brokers())
+                except Exception as exc:  # the store is busy or away: try again at the next check
+                    log.info("node %d: listing the live listeners failed: %r", self.node_id, exc)
+                    changed.set()
+                    continue
+                if live != seen:
+                    if seen is not None:
+                        log.info("node %d: live listeners now %s", self.node_id, list(live))
+                    seen, changed_at = live, loop.time()
+                if live == done_for or loop.time() - changed_at < c.rebalance_delay_s:
+                    continue
+                try:
+                    if await self._rebalance(list(live)):
+                        done_for = live
+                except Exception as exc:
+                    log.warning("node %d: rebalancing failed: %r", self.node_id, exc)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await watcher
+
+    async def _watch_brokers(self, changed: asyncio.Event) -> None:
+        """Set ``changed`` on every change under ``kafka/brokers/`` (listeners joining, leaving,
+        registering again); a broken watch is opened again (and counts as a change)."""
         while True:
-            await asyncio.sleep(c.rebalance_check_s)
-            if not self.ownership.valid:
-                continue
+            watch = self.store.watch_prefix(OWNERSHIP_BROKERS)
             try:
-                live = tuple(b.node_id for b in await self.ownership.brokers())
-            except Exception as exc:  # the store is busy or away: try again at the next check
-                log.info("node %d: listing the live listeners failed: %r", self.node_id, exc)
-                continue
-            if live != seen:
-                if seen is not None:
-                    log.info("node %d: live listeners now %s", self.node_id, list(live))
-                seen, changed_at = live, loop.time()
-            if live == done_for or loop.time() - changed_at < c.rebalance_delay_s:
-                continue
-            try:
-                if await self._rebalance(list(live)):
-                    done_for = live
+                async for _event in watch:
+                    changed.set()
+                    self.txn.listeners_changed()
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:
-                log.warning("node %d: rebalancing failed: %r", self.node_id, exc)
+                log.info("node %d: the watch on the live listeners broke: %r", self.node_id, exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watch.aclose()
+            changed.set()
+            self.txn.listeners_changed()
+            await asyncio.sleep(self.config.rebalance_check_s)
 
     def moves(self, live: list[int]) -> list[tuple[str, int]]:
         """(partition key, node) of every partition held here whose preferred node among ``live`` is

@@ -437,12 +437,16 @@ class TxnConfig:
     max_timeout_ms: int = 900_000  # transaction.max.timeout.ms
     sweep_interval_s: float = 1.0  # how often this coordinator's transactions are checked for timeouts
     orphan_scan_interval_s: float = 5.0  # how often every id in the store is (ids whose coordinator died)
+    # ... while the last such scan saw an open (Ongoing or Prepare*) transaction, or a listener came or
+    # went since (``listeners_changed``); otherwise (nothing could have been orphaned) this often
+    orphan_recheck_s: float = 60.0
     end_txn_wait_s: float = 10.0  # EndTxn answers after the markers, or after this long anyway
     marker_retry_max_s: float = 1.0
 
     def __post_init__(self):
         if (self.max_timeout_ms < 1 or self.sweep_interval_s <= 0 or self.end_txn_wait_s <= 0
-                or self.orphan_scan_interval_s < self.sweep_interval_s):
+                or self.orphan_scan_interval_s < self.sweep_interval_s
+                or self.orphan_recheck_s < self.orphan_scan_interval_s):
             raise ValueError(f"invalid transaction config {self}")
 
 
@@ -471,6 +475,8 @@ class TransactionCoordinator:
         self._txns: dict[str, _Loaded] = {}
         self._sweeper: asyncio.Task | None = None
         self._closed = False
+        self._scan_wanted = True  # a full scan is due (start, a listener came or went)
+        self._open_seen = True  # the last full scan saw a transaction still open
 
     def handlers(self) -> dict[int, Any]:
         return {
@@ -1044,15 +1050,29 @@ class TransactionCoordinator:
     async def _sweep_loop(self) -> None:
         last_scan = 0.0
         loop = asyncio.get_running_loop()
+        c = self.config
         while not self._closed:
-            await asyncio.sleep(self.config.sweep_interval_s)
+            await asyncio.sleep(c.sweep_interval_s)
+            wanted = False
             try:
-                everything = loop.time() - last_scan >= self.config.orphan_scan_interval_s
+                since = loop.time() - last_scan
+                # ids are orphaned only by a listener that went away: while the last full scan saw no
+                # open transaction and no listener came or went, it is not repeated (an idle cluster
+                # costs no listing) until orphan_recheck_s
+                everything = since >= c.orphan_scan_interval_s and (
+                    self._scan_wanted or self._open_seen or since >= c.orphan_recheck_s)
                 if everything:
                     last_scan = loop.time()
+                    wanted, self._scan_wanted = self._scan_wanted, False
                 await self.sweep(everything)
             except Exception as exc:
+                self._scan_wanted = self._scan_wanted or wanted  # failed: the next one is still due
                 log.warning("transaction sweep failed: %r", exc)
+
+    def listeners_changed(self) -> None:
+        """A listener registered or went away: its transactions may need a coordinator (the next
+        full scan runs at its usual time)."""
+        self._scan_wanted = True
 
     async def sweep(self, everything: bool = True) -> None:
         """Abort expired transactions and finish Prepare* ones: of the ids this listener has
@@ -1066,6 +1086,7 @@ class TransactionCoordinator:
                     candidates.append((unquote(key[len(TXN_PREFIX):]), TxnMeta.decode(v.value)))
                 except (ValueError, KeyError, TypeError):
                     continue
+            self._open_seen = any(m.preparing or m.state == ONGOING for _t, m in candidates)
         else:
             candidates = [(t, x.meta) for t, x in list(self._txns.items()) if x.meta is not None]
         for txn_id, meta in candidates:

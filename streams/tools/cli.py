@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -112,6 +113,16 @@ def _exit_with_parent() -> None:
     parent = int(raw)
 
     def watch() -> None:
+        try:  # a pidfd turns readable when the parent exits: no periodic wake-up while it lives
+            fd = os.pidfd_open(parent)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            if os.getppid() == parent:  # (re-parented before the pidfd was opened: already gone)
+                p = select.poll()
+                p.register(fd, select.POLLIN)
+                p.poll()
+            os.close(fd)
         while os.getppid() == parent:
             time.sleep(0.5)
         logging.getLogger("scroll").warning("parent process %d is gone: stopping", parent)

@@ -7,9 +7,11 @@ are ``bench/kafka.py --phases open,failover,idle``."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -161,6 +163,50 @@ def test_idle_timers_and_tasks_do_not_grow_with_open_partitions(bounded_shim, to
     tasks_after, timers_after = _settled_load(bounded_shim)
     assert tasks_after - tasks_before <= 4, (tasks_before, tasks_after)
     assert timers_after - timers_before <= 4, (timers_before, timers_after)
+
+
+def _etcd_requests(cluster: LocalCluster) -> dict[str, float]:
+    """Requests (messages) etcd received so far, by gRPC method, from its own metrics."""
+    url = f"http://127.0.0.1:{cluster.etcd_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = r.read().decode()
+    out: dict[str, float] = {}
+    for line in body.splitlines():
+        if line.startswith("grpc_server_msg_received_total{"):
+            method = re.search(r'grpc_method="(\w+)"', line).group(1)
+            out[method] = out.get(method, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _etcd_delta(before: dict, after: dict) -> tuple[float, float]:
+    """(lease keep-alives, every other request) between two readings."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    keepalives = d.pop("LeaseKeepAlive", 0.0)
+    return keepalives, sum(d.values())
+
+
+def test_idle_cluster_sends_etcd_only_lease_keepalives(bounded_shim, cluster, topic):
+    """An idle listener holding many open partitions, and idle bookies, send etcd nothing but their
+    lease keep-alives (one per process every third of its TTL): no listing, read or write per
+    partition or per second (the live listeners and the ACLs are watched; a bookie writes its space
+    figures only when they change). Counted by etcd itself."""
+    create_topic(bounded_shim.bootstrap, topic, 40)
+    produce_each(bounded_shim.bootstrap, topic, 40, 2)
+    deadline = time.monotonic() + 60  # the snapshots of what was just produced, the bookies' first reports
+    while True:
+        before = _etcd_requests(cluster)
+        time.sleep(2)
+        if _etcd_delta(before, _etcd_requests(cluster))[1] == 0:
+            break
+        assert time.monotonic() < deadline, "etcd kept receiving requests other than keep-alives"
+    window_s = 6.0
+    before = _etcd_requests(cluster)
+    time.sleep(window_s)  # the window counted, not a wait for an event
+    keepalives, others = _etcd_delta(before, _etcd_requests(cluster))
+    # at most the two once-a-minute re-checks (live listeners, orphaned transactions) may fall in it
+    assert others <= 2, others
+    # 3 bookies (TTL 5 s) and 1 listener (TTL 10 s): a keep-alive every 1.7 s / 3.3 s each, plus slack
+    assert keepalives <= 3 * (window_s / (5 / 3) + 2) + (window_s / (10 / 3) + 2), keepalives
 
 
 @pytest.mark.process
