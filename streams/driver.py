@@ -239,6 +239,9 @@ class WriterDriver:
 
     # ---------------------------------------------------------------- commands
     def _execute(self, cmds) -> None:
+        if self._stopped:  # answers that come after close start nothing (as after a crash: the next
+            # take-over repairs what this writer left), and no task outlives the client's store
+            cmds = [c for c in cmds if isinstance(c, (Acknowledge, Opened, Aborted, Withdraw, Closed))]
         adds: dict[str, list[SendAdd]] = {}
         for c in cmds:
             if isinstance(c, SendAdd):
