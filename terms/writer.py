@@ -672,10 +672,11 @@ class LedgerWriter:
         if cooling:
             said = ", ".join(f"{b} ({self.fail_reasons.get(b, 'failed')})" for b in sorted(cooling))
             reason += f"; {said} failed lately and are retried after a back-off"
-        if self.stalled is None and self.failed:
-            log.warning("ledger=%s term=%s cannot replace %s: %s; appends wait", self.ledger.ledger_id, self.term,
-                        sorted(self.failed), reason)
-        self.stalled = reason
+        if self.failed:  # (a rollover that cannot place yet holds nothing up: its fragment just grows)
+            if self.stalled is None:
+                log.warning("ledger=%s term=%s cannot replace %s: %s; appends wait", self.ledger.ledger_id,
+                            self.term, sorted(self.failed), reason)
+            self.stalled = reason
         return None
 
     def _outstanding_to_live(self) -> bool:
