@@ -64,10 +64,25 @@ class Fragment:
     last_entry_id: int | None = None  # set when sealed
     size_bytes: int | None = None  # payload bytes written by the sealing term, when known
     first_offset: int | None = None  # record offset of its first record (None: not known when created)
+    # Where the entries live when not in this ledger: a compacted fragment's entries were rewritten
+    # into a ledger of their own (``data_ledger``), entry ``first_entry_id + k`` of this fragment
+    # being entry ``data_first_entry + k`` there, on this fragment's ensemble (see
+    # streams/tools/compaction.py). None: the entries are this ledger's own.
+    data_ledger: int | None = None
+    data_first_entry: int = 0
+    compacted_ms: int | None = None  # when the compaction that wrote it switched it in
 
     @property
     def sealed(self) -> bool:
         return self.last_entry_id is not None
+
+    @property
+    def compacted(self) -> bool:
+        return self.data_ledger is not None
+
+    def data_entry(self, entry_id: int) -> int:
+        """The entry id that holds ``entry_id``'s data in the ledger its entries live in."""
+        return entry_id if self.data_ledger is None else entry_id - self.first_entry_id + self.data_first_entry
 
     def contains(self, entry_id: int) -> bool:
         if entry_id < self.first_entry_id:
@@ -77,6 +92,8 @@ class Fragment:
     def to_json(self) -> str:
         d = asdict(self)
         d["ensemble"] = list(self.ensemble)
+        if self.data_ledger is None:  # a fragment of its own entries: the record stays as it was
+            del d["data_ledger"], d["data_first_entry"], d["compacted_ms"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
