@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 COMPACTION = "compaction"  # the compaction job's state in LedgerMeta.retention
+DATA_LEDGER_PREFIX = "__compacted/"  # ledgers holding compacted fragments' entries (not streams)
 POLICY_KEYS = ("cleanup_policy", "min_compaction_lag_ms", "max_compaction_lag_ms", "min_cleanable_dirty_ratio",
                "delete_retention_ms")
 CLEANUP_POLICIES = ("delete", "compact", "compact,delete")

@@ -122,10 +122,10 @@ def check_batch(batch, where: str = "") -> None:
 
 
 def stored_batch(entry_id: int, data) -> StoredBatch | None:
-    """An entry (envelope included) as a batch; None for a no-op. Raises RecordFormatError for a
+    """An entry (envelope included) as a batch; None for a no-op or a hole. Raises RecordFormatError for a
     data entry that is not a RecordBatch v2 (a stream from before the one log format)."""
-    if not data or data[0] != KIND_DATA:
-        return None
+    if not data or data[0] != KIND_DATA or len(data) == 1:
+        return None  # a no-op, or a hole (an entry compaction emptied: streams/cleaner.py)
     if len(data) < 1 + HEADER_BYTES or data[1 + OFF_MAGIC] != 2:
         raise RecordFormatError(f"entry {entry_id} is not a Kafka record batch (magic 2): streams must hold "
                                 "record batches (see streams/batches.py)")

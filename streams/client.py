@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 
 from bookie.runtime import tune_malloc
+from fragments.compaction import DATA_LEDGER_PREFIX
 from fragments.ledgers import LedgerExists, NoSuchLedger
 from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
@@ -190,7 +191,9 @@ class ScrollClient:
         return StreamInfo(meta, frags)
 
     async def list_streams(self) -> list[LedgerMeta]:
-        return await self.cluster.ledgers.list_ledgers()
+        """Every stream (the data ledgers compaction writes are not streams: see
+        ``streams/tools/compaction.py``)."""
+        return [m for m in await self.cluster.ledgers.list_ledgers() if not m.name.startswith(DATA_LEDGER_PREFIX)]
 
     async def delete_stream(self, name: str) -> None:
         """Delete one stream; a stream that is a whole one-partition topic takes its topic record along."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from bookie.client import ReadResult
@@ -517,6 +518,8 @@ class Consumer:
         client = self.cluster.client(bookie)
         if client is None:
             return []
+        if f.data_ledger is not None:
+            return await self._read_rewritten(f, client, bookie, first, last)
         try:
             r: ReadResult = await client.read(self.meta.ledger_id, first, last, max_entries=self.max_read_entries,
                                               max_bytes=self.max_read_bytes)
@@ -546,6 +549,30 @@ class Consumer:
                     or not copy_is_current(f, e.entry_term) or (ws is not None and bookie not in ws(e.entry_id)):
                 break
             out.append(e)
+            expect += 1
+        return out
+
+    async def _read_rewritten(self, f: Fragment, client, bookie: str, first: int, last: int):
+        """Entries of a compacted fragment: they live in its data ledger (sealed, written once by the
+        compaction job), entry ``first_entry_id + k`` of the stream being entry ``data_first_entry
+        + k`` there. Answers say nothing of this stream's LAC or term, so neither is learnt here."""
+        shift = f.data_first_entry - f.first_entry_id
+        try:
+            r: ReadResult = await client.read(f.data_ledger, first + shift, last + shift,
+                                              max_entries=self.max_read_entries, max_bytes=self.max_read_bytes)
+        except BookieError as exc:
+            if isinstance(exc, BookieAuthError) and exc.definite:
+                raise AuthenticationFailed(str(exc)) from exc
+            log.debug("stream=%s read %s..%s (data ledger %s) from %s failed: %s", self.name, first, last,
+                      f.data_ledger, bookie, exc)
+            return []
+        out = []
+        expect = first
+        for e in r.entries:
+            eid = e.entry_id - shift
+            if eid != expect or eid > last or not f.contains(eid) or not copy_is_current(f, e.entry_term):
+                break
+            out.append(dataclasses.replace(e, entry_id=eid))
             expect += 1
         return out
 

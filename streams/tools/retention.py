@@ -280,9 +280,12 @@ async def _run_stream(client, name: str, override: Policy | None, dry_run: bool,
             "below_index": decision.new_first_index,
             "below_entry": decision.new_earliest_entry,
             "below_offset": decision.new_earliest,
-            "bookies": sorted({b for f in decision.remove for b in f.ensemble}),
+            "bookies": sorted({b for f in decision.remove for b in f.ensemble if f.data_ledger is None}),
             "started_ms": now,
         }
+        compacted = [[f.data_ledger, list(f.ensemble)] for f in decision.remove if f.data_ledger is not None]
+        if compacted:  # their entries live in data ledgers of their own (streams/tools/compaction.py)
+            new_mark["data_ledgers"] = compacted
         retention = dict(meta.retention)
         retention[DELETING] = new_mark
         marked = meta.with_(first_fragment_index=decision.new_first_index, retention=retention)
@@ -383,6 +386,13 @@ async def _finish(client, ledger_id: int, mark: dict, progress: Progress | None,
             continue
         if fault and b in required:
             fault(f"trimmed:{b}")
+    if mark.get("data_ledgers"):
+        from .compaction import CompactionIncomplete, delete_data_ledger
+        for data_ledger, bookies in mark["data_ledgers"]:
+            try:
+                await delete_data_ledger(client, int(data_ledger), bookies)
+            except (BookieError, CompactionIncomplete) as exc:
+                failed.append(f"data ledger {data_ledger}: {exc}")
     if failed:
         raise RetentionIncomplete(f"could not trim entries < {below} on {'; '.join(failed)}; "
                                   f"the deletion mark stays and the next run retries")

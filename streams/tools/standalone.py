@@ -60,6 +60,7 @@ class StandaloneConfig:
     metrics_port: int = 9404
     bookies: int = 3
     retention_interval_s: float = 300.0
+    compaction_interval_s: float = 60.0
     default_partitions: int = 1
     restart_children: bool = True
     extra_kafka_args: list[str] = field(default_factory=list)
@@ -319,6 +320,14 @@ class Standalone:
                                        registry=reg),
             "retention_fragments": Counter("scroll_retention_removed_fragments", "fragments removed by retention",
                                            registry=reg),
+            "compaction_runs": Counter("scroll_compaction_runs", "compaction job runs", ["outcome"], registry=reg),
+            "compaction_bytes": Counter("scroll_compaction_reclaimed_bytes",
+                                        "bytes compaction reclaimed (per replica)", registry=reg),
+            "compaction_dirty": Gauge("scroll_compaction_dirty_ratio",
+                                      "dirty share of a compacted stream's cleanable bytes", ["stream"], registry=reg),
+            "compaction_lag": Gauge("scroll_compaction_lag_seconds",
+                                    "age of the oldest record not yet compacted (the cleaner's lag)", ["stream"],
+                                    registry=reg),
         }
         self._metrics = m
         server, _thread = start_http_server(self.config.metrics_port, addr="127.0.0.1", registry=reg)
@@ -363,6 +372,7 @@ class Standalone:
             f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics}; Kafka "
             f"consumer group lag: http://127.0.0.1:{c.kafka_metrics_port}/metrics)",
             f"  retention        every {c.retention_interval_s:g} s  (scroll retention run --dry-run to preview)",
+            f"  compaction       every {c.compaction_interval_s:g} s  (scroll compaction run --dry-run to preview)",
             f"  logs             {self.dir}/*/*.log",
             "try it:",
             f"  echo hello | kcat -b 127.0.0.1:{c.kafka_port} -t greetings -P && "
@@ -384,6 +394,7 @@ class Standalone:
             f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics}; Kafka "
             f"consumer group lag: http://127.0.0.1:{c.kafka_metrics_port}/metrics)",
             f"  retention        every {c.retention_interval_s:g} s",
+            f"  compaction       every {c.compaction_interval_s:g} s",
             f"  logs             {self.dir}/*/*.log",
             "try it:",
             f"  echo hello | kcat -F {kp} -t greetings -P && kcat -F {kp} -t greetings -C -e",
@@ -399,6 +410,7 @@ class Standalone:
 
         client = await connect(self.cluster.metadata_url, security=self.cluster.client_security)
         next_retention = time.monotonic() + min(10.0, self.config.retention_interval_s)
+        next_compaction = time.monotonic() + min(10.0, self.config.compaction_interval_s)
         next_stream_metrics = 0.0
         backoff_until = 0.0
         try:
@@ -418,6 +430,9 @@ class Standalone:
                 if now >= next_retention:
                     next_retention = now + self.config.retention_interval_s
                     await self.retention_once(client)
+                if now >= next_compaction:
+                    next_compaction = now + self.config.compaction_interval_s
+                    await self.compaction_once(client)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.5)
         finally:
@@ -443,6 +458,29 @@ class Standalone:
         if report.fragments:
             log.info("retention removed %d fragments (%d records in %d entries, %d bytes)", report.fragments,
                      report.records, report.entries, report.bytes)
+
+
+    async def compaction_once(self, client) -> None:
+        from .compaction import run_compaction
+
+        try:
+            report = await run_compaction(client)
+        except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
+            log.warning("compaction run failed: %s", exc)
+            if self._metrics:
+                self._metrics["compaction_runs"].labels("failed").inc()
+            return
+        if self._metrics:
+            self._metrics["compaction_runs"].labels("ok").inc()
+            self._metrics["compaction_bytes"].inc(report.bytes_reclaimed)
+            for s in report.streams:
+                self._metrics["compaction_dirty"].labels(s.stream).set(s.dirty_ratio)
+                if s.lag_ms is not None:
+                    self._metrics["compaction_lag"].labels(s.stream).set(s.lag_ms / 1000)
+        for s in report.streams:
+            if s.rewritten_fragments:
+                log.info("compaction of %s: %d fragments rewritten, %d -> %d records, %d bytes reclaimed",
+                         s.stream, len(s.rewritten_fragments), s.records_in, s.records_out, s.bytes_reclaimed)
 
 
 def run(config: StandaloneConfig) -> None:
@@ -503,6 +541,8 @@ def run(config: StandaloneConfig) -> None:
 @click.option("--bookies", default=3, show_default=True, type=click.IntRange(1, 9))
 @click.option("--retention-interval", "retention_interval_s", default=300.0, show_default=True, type=float,
               help="Seconds between retention runs.")
+@click.option("--compaction-interval", "compaction_interval_s", default=60.0, show_default=True, type=float,
+              help="Seconds between compaction runs (streams whose cleanup.policy compacts, when due).")
 @click.option("--default-partitions", default=1, show_default=True, type=click.IntRange(1, 1000),
               help="Partitions of a Kafka topic created on first use.")
 @click.option("--secure", is_flag=True,
@@ -512,8 +552,8 @@ def run(config: StandaloneConfig) -> None:
 @click.option("--etcd-auth", is_flag=True,
               help="Run etcd with its auth on (user root, a random password kept in <data-dir>/etcd/root.password).")
 def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_peer_port: int, bookie_base_port: int,
-                       metrics_port: int, bookies: int, retention_interval_s: float, default_partitions: int,
-                       secure: bool, etcd_auth: bool) -> None:
+                       metrics_port: int, bookies: int, retention_interval_s: float, compaction_interval_s: float,
+                       default_partitions: int, secure: bool, etcd_auth: bool) -> None:
     """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
     127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
 
@@ -526,7 +566,10 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
     """
     if retention_interval_s <= 0:
         raise click.BadParameter("must be > 0", param_hint="--retention-interval")
+    if compaction_interval_s <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--compaction-interval")
     run(StandaloneConfig(data_dir=data_dir, kafka_port=kafka_port, etcd_port=etcd_port, etcd_peer_port=etcd_peer_port,
                          bookie_base_port=bookie_base_port, metrics_port=metrics_port, bookies=bookies,
-                         retention_interval_s=retention_interval_s, default_partitions=default_partitions,
+                         retention_interval_s=retention_interval_s, compaction_interval_s=compaction_interval_s,
+                         default_partitions=default_partitions,
                          etcd_auth=etcd_auth, secure=secure))
