@@ -97,3 +97,73 @@ def split_batches(records: bytes, max_batches: int = 10_000) -> list[Batch]:
             raise CorruptMessage(f"more than {max_batches} record batches in one partition's records")
         pos = end
     return out
+
+
+# ---------------------------------------------------------------- message formats v0 and v1
+# Produce v0-2 carry message sets of magic 0/1 (Produce v0-1: magic 0; v2: magic 0 or 1) and Fetch
+# v0-3 clients read only those (v0-1: magic 0; v2-3: magic 0 or 1). Kafka 3.9 converts both ways
+# (a v2 log since KIP-724); so do we: an old produce's messages become one uncompressed magic-2
+# batch (timestamps kept, magic 0's are -1), and an old fetch gets each stored batch's records as
+# uncompressed messages of the client's magic (headers dropped, control batches skipped, as Kafka's
+# down-conversion does). Compressed message sets (gzip, snappy, lz4) are read through aiokafka.
+MAX_CONVERTED_RECORDS = 100_000
+
+
+def upconvert(records: bytes) -> bytes:
+    """A magic 0/1 message set -> one uncompressed RecordBatch v2 (b"" for an empty set). Raises
+    CorruptMessage (damaged or truncated messages) / UnsupportedForMessageFormat (a magic-2 batch
+    in a request that may only carry older messages, as Kafka answers)."""
+    from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+    from aiokafka.record.memory_records import MemoryRecords
+
+    records = bytes(records)
+    pos = 0
+    while pos < len(records):  # whole messages only (aiokafka stops quietly at a truncated one)
+        if len(records) - pos < 12 or pos + 12 + _I32.unpack_from(records, pos + 8)[0] > len(records):
+            raise CorruptMessage(f"truncated message at byte {pos} of a {len(records)}-byte message set")
+        pos += 12 + _I32.unpack_from(records, pos + 8)[0]
+    try:
+        mr = MemoryRecords(records)
+        out = []
+        while (batch := mr.next_batch()) is not None:
+            if isinstance(batch, DefaultRecordBatch):
+                raise UnsupportedForMessageFormat("a magic-2 record batch in a produce request of version 0-2")
+            if not batch.validate_crc():
+                raise CorruptMessage("message CRC mismatch")
+            for r in batch:
+                out.append((r.timestamp if r.timestamp is not None else -1, r.key, r.value))
+                if len(out) > MAX_CONVERTED_RECORDS:
+                    raise CorruptMessage(f"more than {MAX_CONVERTED_RECORDS} messages in one partition's set")
+    except (CorruptMessage, UnsupportedForMessageFormat):
+        raise
+    except Exception as exc:  # aiokafka raises CorruptRecordException, struct.error, ValueError
+        raise CorruptMessage(f"malformed message set: {exc!r}") from exc
+    if not out:
+        return b""
+    b = DefaultRecordBatchBuilder(2, 0, 0, -1, -1, -1, 1 << 62)
+    for i, (ts, key, value) in enumerate(out):
+        b.append(i, ts, key, value, [])
+    return bytes(b.build())
+
+
+def downconvert(records: bytes, magic: int, from_offset: int) -> bytes:
+    """Stored RecordBatches v2 -> uncompressed messages of ``magic`` (0 or 1) at offsets >= ``from_offset``."""
+    from aiokafka.record.legacy_records import LegacyRecordBatchBuilder
+    from aiokafka.record.memory_records import MemoryRecords
+
+    if not records:
+        return b""
+    mr = MemoryRecords(bytes(records))
+    out = bytearray()
+    while (batch := mr.next_batch()) is not None:
+        if getattr(batch, "is_control_batch", False):
+            continue
+        for r in batch:
+            if r.offset < from_offset:
+                continue
+            b = LegacyRecordBatchBuilder(magic, 0, 1 << 62)
+            b.append(0, r.timestamp, r.key, r.value)
+            msg = b.build()
+            _I64.pack_into(msg, 0, r.offset)  # the builder numbers from 0; the message keeps its offset
+            out += msg
+    return bytes(out)

@@ -41,9 +41,10 @@ from streams.topics import InvalidTopicName, TopicMeta, check_topic_name
 
 from . import authorizer, codec
 from .admin import Admin, check_topic_configs, retention_policy
-from .batches import split_batches
+from .batches import downconvert, split_batches, upconvert
 from .codec import ZERO_MS, build, nested
 from .errors import (
+    CorruptMessage,
     DropConnection,
     InvalidPartitions,
     InvalidRequest,
@@ -662,13 +663,14 @@ class Broker:
         results: dict[tuple[str, int], tuple[BaseException | None, int, int]] = {}
         order = [(t.name, p.index) for t in req.topic_data for p in t.partition_data]
         idempotent = False
+        old = resp_cls.__version__ < 3  # v0-2: magic 0/1 message sets, converted to one batch (batches.py)
         opened = await self._open_for_produce(req, order)
         for t in req.topic_data:
             for p in t.partition_data:
                 try:
                     if req.acks not in (-1, 0, 1):
                         raise InvalidRequiredAcks(f"acks must be -1, 0 or 1, not {req.acks}")
-                    batches = split_batches(p.records or b"")
+                    batches = split_batches(upconvert(p.records or b"") if old else p.records or b"")
                     idempotent = idempotent or any(b.producer_id >= 0 for b in batches)
                     plog = opened.pop((t.name, p.index), None)
                     if isinstance(plog, Exception):
@@ -818,6 +820,8 @@ class Broker:
                 for w in waits:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await w
+        if resp_cls.__version__ < 4:  # v0-3 clients read magic 0 (v0-1) / 1 (v2-3) messages only
+            rows = self._down_convert(rows, {tp: off for tp, off, _max in wanted}, 0 if resp_cls.__version__ < 2 else 1)
         topics = self._fetch_answer(resp_cls, rows, session if not full else None)
         if session is not None and full:  # the session remembers what its full answer said
             for t, parts in rows:
@@ -825,6 +829,23 @@ class Broker:
                     session.must_answer((t, index), bool(records), error is not None, hw, lso, start)
         return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none,
                      session_id=session.id if session is not None else 0, responses=topics)
+
+    def _down_convert(self, rows, offsets: dict, magic: int):
+        """Fetch v0-3: each partition's batches as messages of ``magic`` from its fetch offset on (as
+        Kafka down-converts); a partition whose stored batches cannot be read answers CORRUPT_MESSAGE."""
+        out = []
+        for t, parts in rows:
+            conv = []
+            for index, records, error, *rest in parts:
+                if records and error is None:
+                    try:
+                        records = downconvert(records, magic, offsets[(t, index)])
+                    except Exception as exc:
+                        self._log_error("fetch (down-conversion)", t, index, exc)
+                        records, error = b"", CorruptMessage(f"records not down-convertible to magic {magic}: {exc!r}")
+                conv.append((index, records, error, *rest))
+            out.append((t, conv))
+        return out
 
     async def _read_partition(self, topic: str, index: int, offset: int, room: int, refresh: bool,
                               committed: bool = False):
@@ -951,7 +972,8 @@ class Broker:
                     error = exc
                 parts.append(build(part_cls, partition_index=p.partition_index,
                                    error_code=code_for(error) if error else ErrorCode.none,
-                                   timestamp=ts, offset=offset, leader_epoch=-1))
+                                   timestamp=ts, offset=offset, leader_epoch=-1,
+                                   old_style_offsets=(offset,) if offset >= 0 else ()))  # v0
             topics.append(topic_cls(name=t.name, partitions=tuple(parts)))
         return build(resp_cls, throttle_time=ZERO_MS, topics=tuple(topics))
 

@@ -9,9 +9,11 @@ is known from (api key, version), so ``decode_request`` reads the fixed prefix f
 pair against ``SUPPORTED``, and only then lets kio parse. ``encode_response`` writes the size,
 the response header kio names for the schema (always v0 for ApiVersions) and the body.
 
-An ApiVersions request above our range gets a v0-encoded UNSUPPORTED_VERSION answer carrying our
-ranges (clients then retry at a version we speak); any other unknown key or version is a
-``UnsupportedRequest``, after which the server closes the connection, as a Kafka broker does.
+An ApiVersions request outside our range gets a v0-encoded UNSUPPORTED_VERSION answer carrying the
+ApiVersions range (clients then retry at a version we speak); any other unknown key or version is a
+``UnsupportedRequest``, after which the server closes the connection, as a Kafka broker does (its
+``RequestContext.parseRequest`` fails, and ``SocketServer`` closes the channel). Versions kio lacks
+(the oldest ones, which Kafka 3.9 still serves) are derived from its oldest schema (``_OLD_VERSIONS``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import datetime
+import functools
 import io
 import struct
 from dataclasses import dataclass
@@ -74,28 +77,45 @@ API_DELETE_ACLS = 31
 API_DESCRIBE_USER_SCRAM_CREDENTIALS = 50
 API_ALTER_USER_SCRAM_CREDENTIALS = 51
 
-# The versions we serve, per api key (checked against kcat/librdkafka 2.0, confluent-kafka 2.16,
-# aiokafka 0.14 and kafka-python 3.0; bounded below/above by the kio 0.6.5 schemas: OffsetCommit
-# v0-1, OffsetFetch v0 and DescribeConfigs v0 have none; clients negotiate the highest common one).
+# The versions we serve, per api key: every version Apache Kafka 3.9 serves (the last release before
+# KIP-896 dropped the oldest ones; clients that pin a version from a configured broker version, not
+# from ApiVersions, send those: Faust sends CreateTopics v1, kafka-python with api_version=(0, 10, 2)
+# Produce v2 / Fetch v3), and a few newer ones Scroll already spoke. Kafka 3.9's ranges, from
+# clients/src/main/resources/common/message/*Request.json "validVersions" at tag 3.9.0:
+#   Produce 0-11, Fetch 0-17, ListOffsets 0-9, Metadata 0-12, OffsetCommit 0-9, OffsetFetch 0-9,
+#   FindCoordinator 0-6, JoinGroup 0-9, Heartbeat 0-4, LeaveGroup 0-5, SyncGroup 0-5,
+#   DescribeGroups 0-5, ListGroups 0-5, SaslHandshake 0-1, ApiVersions 0-4, CreateTopics 0-7,
+#   DeleteTopics 0-6, DeleteRecords 0-2, InitProducerId 0-5, AddPartitionsToTxn 0-5,
+#   AddOffsetsToTxn 0-4, EndTxn 0-4, WriteTxnMarkers 0-1, TxnOffsetCommit 0-4, DescribeAcls 0-3,
+#   CreateAcls 0-3, DeleteAcls 0-3, DescribeConfigs 0-4, AlterConfigs 0-2, SaslAuthenticate 0-2,
+#   CreatePartitions 0-3, DeleteGroups 0-2, IncrementalAlterConfigs 0-1, OffsetDelete 0,
+#   DescribeUserScramCredentials 0, AlterUserScramCredentials 0, DescribeCluster 0-1,
+#   DescribeTransactions 0, ListTransactions 0-1, ConsumerGroupHeartbeat 0, ConsumerGroupDescribe 0.
+# Above 3.9 we also serve Produce 12, ListTransactions 2, ConsumerGroupHeartbeat/Describe 1 (4.x).
+# kio 0.6.5 is generated from Kafka 4.x, which dropped the oldest versions: the ones it lacks
+# (Produce 0-2, Fetch 0-3, ListOffsets 0, OffsetCommit 0-1, OffsetFetch 0, CreateTopics 0-1,
+# DeleteTopics 0, WriteTxnMarkers 0, Describe/Create/DeleteAcls 0, DescribeConfigs 0) are derived
+# here from kio's oldest one (``_OLD_VERSIONS``). Not served: Fetch 13-17 (topic ids in place of
+# names; clients fall back to 12).
 SUPPORTED: dict[int, tuple[int, int]] = {
-    API_PRODUCE: (3, 12),
-    API_FETCH: (4, 12),
-    API_LIST_OFFSETS: (1, 9),
+    API_PRODUCE: (0, 12),  # v0-2: magic 0/1 message sets, converted (batches.py)
+    API_FETCH: (0, 12),  # v0-3: down-converted to magic 0/1 messages (batches.py)
+    API_LIST_OFFSETS: (0, 9),
     API_METADATA: (0, 12),
-    API_API_VERSIONS: (0, 3),
+    API_API_VERSIONS: (0, 4),
     # SASL (sasl.py; answered by the server itself, before any handler)
     API_SASL_HANDSHAKE: (0, 1),
     API_SASL_AUTHENTICATE: (0, 2),
-    API_CREATE_TOPICS: (2, 7),
-    API_DELETE_TOPICS: (1, 6),
+    API_CREATE_TOPICS: (0, 7),
+    API_DELETE_TOPICS: (0, 6),
     # consumer groups (groups.py)
-    API_FIND_COORDINATOR: (0, 5),
+    API_FIND_COORDINATOR: (0, 6),
     API_JOIN_GROUP: (0, 9),
     API_SYNC_GROUP: (0, 5),
     API_HEARTBEAT: (0, 4),
     API_LEAVE_GROUP: (0, 5),
-    API_OFFSET_COMMIT: (2, 9),
-    API_OFFSET_FETCH: (1, 9),
+    API_OFFSET_COMMIT: (0, 9),  # v0 (ZooKeeper offsets in Kafka): stored by the coordinator like v1
+    API_OFFSET_FETCH: (0, 9),  # v0 likewise: read from the coordinator
     API_LIST_GROUPS: (0, 5),
     API_DESCRIBE_GROUPS: (0, 5),
     API_DELETE_GROUPS: (0, 2),
@@ -103,7 +123,7 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     API_CONSUMER_GROUP_HEARTBEAT: (0, 1),  # KIP-848 (consumer_groups.py)
     API_CONSUMER_GROUP_DESCRIBE: (0, 1),
     # admin (admin.py)
-    API_DESCRIBE_CONFIGS: (1, 4),
+    API_DESCRIBE_CONFIGS: (0, 4),
     API_ALTER_CONFIGS: (0, 2),
     API_INCREMENTAL_ALTER_CONFIGS: (0, 1),
     API_CREATE_PARTITIONS: (0, 3),
@@ -112,20 +132,161 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     # idempotent producers (producer_ids.py)
     API_INIT_PRODUCER_ID: (0, 5),
     # transactions (transactions.py); AddPartitionsToTxn v4+ is the brokers' batch form (KIP-890)
-    API_ADD_PARTITIONS_TO_TXN: (0, 4),
-    API_ADD_OFFSETS_TO_TXN: (0, 3),
-    API_END_TXN: (0, 3),
-    API_WRITE_TXN_MARKERS: (1, 1),
-    API_TXN_OFFSET_COMMIT: (0, 3),
+    API_ADD_PARTITIONS_TO_TXN: (0, 5),
+    API_ADD_OFFSETS_TO_TXN: (0, 4),
+    API_END_TXN: (0, 4),
+    API_WRITE_TXN_MARKERS: (0, 1),
+    API_TXN_OFFSET_COMMIT: (0, 4),
     API_DESCRIBE_TRANSACTIONS: (0, 0),
     API_LIST_TRANSACTIONS: (0, 2),
     # ACLs and SCRAM credentials (authorizer.py)
-    API_DESCRIBE_ACLS: (1, 3),
-    API_CREATE_ACLS: (1, 3),
-    API_DELETE_ACLS: (1, 3),
+    API_DESCRIBE_ACLS: (0, 3),
+    API_CREATE_ACLS: (0, 3),
+    API_DELETE_ACLS: (0, 3),
     API_DESCRIBE_USER_SCRAM_CREDENTIALS: (0, 0),
     API_ALTER_USER_SCRAM_CREDENTIALS: (0, 0),
 }
+
+# ---------------------------------------------------------------- versions kio 0.6.5 lacks
+# Derived schemas: kio's oldest version of the API with fields dropped (``-name``; a request field
+# keeps the value the old version implies, readable as a class attribute, e.g. Fetch v0-3's
+# isolation_level 0) or added (``+name``, after a field: what only the old version has), per
+# entity class, checked against Kafka 3.9's message JSON files. WriteTxnMarkers v0 is v1 without
+# flexible encoding (tagged fields; header v1 / response header v0).
+_I64 = "int64"
+_OLD_VERSIONS: dict[tuple[int, int], tuple[int, dict, dict]] = {}
+
+
+def _old(api_key: int, versions, base: int, request: dict | None = None, response: dict | None = None) -> None:
+    for v in versions:  # several calls for one version add up
+        _, req, resp = _OLD_VERSIONS.setdefault((api_key, v), (base, {}, {}))
+        for edits, more in ((req, request or {}), (resp, response or {})):
+            for cls, ops in more.items():
+                edits.setdefault(cls, []).extend(ops)
+
+
+_old(API_PRODUCE, (0, 1, 2), 3, {"ProduceRequest": [("-transactional_id", None)]})
+_old(API_PRODUCE, (0,), 3, None, {"ProduceResponse": [("-throttle_time",)],
+                                  "PartitionProduceResponse": [("-log_append_time",)]})
+_old(API_PRODUCE, (1,), 3, None, {"PartitionProduceResponse": [("-log_append_time",)]})
+_old(API_PRODUCE, (2,), 3)
+_old(API_FETCH, (0, 1, 2), 4, {"FetchRequest": [("-max_bytes", 0x7FFFFFFF), ("-isolation_level", 0)]})
+_old(API_FETCH, (3,), 4, {"FetchRequest": [("-isolation_level", 0)]})
+_old(API_FETCH, (0, 1, 2, 3), 4, None, {"PartitionData": [("-last_stable_offset",), ("-aborted_transactions",)]})
+_old(API_FETCH, (0,), 4, None, {"FetchResponse": [("-throttle_time",)]})
+_old(API_LIST_OFFSETS, (0,), 1, {"ListOffsetsPartition": [("+max_num_offsets", "timestamp", "int32", 1)]},
+     {"ListOffsetsPartitionResponse": [("-timestamp",), ("-offset",),
+                                       ("+old_style_offsets", "error_code", _I64, ())]})
+_old(API_OFFSET_COMMIT, (0,), 2, {"OffsetCommitRequest": [("-generation_id_or_member_epoch", -1), ("-member_id", ""),
+                                                          ("-retention_time", None)]})
+_old(API_OFFSET_COMMIT, (1,), 2, {"OffsetCommitRequest": [("-retention_time", None)],
+                                  "OffsetCommitRequestPartition": [("+commit_timestamp", "committed_offset", _I64, -1)]})
+_old(API_OFFSET_FETCH, (0,), 1)
+_old(API_CREATE_TOPICS, (0,), 2, {"CreateTopicsRequest": [("-validate_only", False)]},
+     {"CreateTopicsResponse": [("-throttle_time",)], "CreatableTopicResult": [("-error_message",)]})
+_old(API_CREATE_TOPICS, (1,), 2, None, {"CreateTopicsResponse": [("-throttle_time",)]})
+_old(API_DELETE_TOPICS, (0,), 1, None, {"DeleteTopicsResponse": [("-throttle_time",)]})
+_old(API_WRITE_TXN_MARKERS, (0,), 1)
+_old(API_DESCRIBE_ACLS, (0,), 1, {"DescribeAclsRequest": [("-pattern_type_filter", 3)]},  # 3: LITERAL
+     {"DescribeAclsResource": [("-pattern_type",)]})
+_old(API_CREATE_ACLS, (0,), 1, {"AclCreation": [("-resource_pattern_type", 3)]})
+_old(API_DELETE_ACLS, (0,), 1, {"DeleteAclsFilter": [("-pattern_type_filter", 3)]},
+     {"DeleteAclsMatchingAcl": [("-pattern_type",)]})
+_old(API_DESCRIBE_CONFIGS, (0,), 1, {"DescribeConfigsRequest": [("-include_synonyms", False)]},
+     {"DescribeConfigsResourceResult": [("-config_source",), ("-synonyms",), ("+is_default", "read_only", "bool", False)]})
+
+_PRIMITIVE = {"int32": "i32", "int64": "i64", "bool": None}
+
+
+def _derive(base: type, version: int, edits: dict, flexible: bool | None, header: type | None) -> type:
+    """A kio entity class like ``base`` (and its nested classes, recursively) at ``version``."""
+    import typing
+
+    from kio.static import primitive
+
+    made: dict[type, type] = {}
+    names: dict[str, type] = {}
+
+    def swap(hint):
+        if dataclasses.is_dataclass(hint):
+            return make(hint)
+        args = typing.get_args(hint)
+        if not args:
+            return hint
+        new = tuple(swap(a) if a is not Ellipsis else a for a in args)
+        if new == args:
+            return hint
+        origin = typing.get_origin(hint)
+        if origin is tuple:
+            return tuple[new]
+        import operator
+
+        return functools.reduce(operator.or_, new)  # a union (X | None)
+
+    def make(cls: type) -> type:
+        if cls in made:
+            return made[cls]
+        hints = typing.get_type_hints(cls)
+        ops = edits.get(cls.__name__, [])
+        drops = {op[0][1:]: op for op in ops if op[0].startswith("-")}
+        adds = [op for op in ops if op[0].startswith("+")]
+        flex = cls.__flexible__ if flexible is None else flexible
+        specs, implied = [], {}
+        for f in dataclasses.fields(cls):
+            if f.name in drops:
+                if len(drops[f.name]) > 1:
+                    implied[f.name] = drops[f.name][1]
+            elif not flex and "tag" in f.metadata:
+                pass  # tagged fields exist in flexible versions only
+            else:
+                kw: dict[str, Any] = {"metadata": f.metadata}
+                if f.default is not dataclasses.MISSING:
+                    kw["default"] = f.default
+                if f.default_factory is not dataclasses.MISSING:
+                    kw["default_factory"] = f.default_factory
+                specs.append((f.name, swap(hints[f.name]), dataclasses.field(**kw)))
+            for op in adds:
+                if op[1] == f.name:
+                    name, kafka_type, default = op[0][1:], op[2], op[3]
+                    t = bool if kafka_type == "bool" else getattr(primitive, _PRIMITIVE[kafka_type])
+                    if isinstance(default, tuple):
+                        t = tuple[t, ...]
+                    specs.append((name, t, dataclasses.field(metadata={"kafka_type": kafka_type}, default=default)))
+        ns = {k: getattr(cls, k) for k in ("__type__", "__api_key__", "__header_schema__")}
+        ns.update(implied, __flexible__=flex, __version__=primitive.i16(version))
+        if header is not None:
+            ns["__header_schema__"] = header
+        new = dataclasses.make_dataclass(cls.__name__, specs, namespace=ns, frozen=True, slots=True, kw_only=True)
+        new.__module__ = cls.__module__
+        new.__qualname__ = f"{cls.__name__}[v{version}]"
+        made[cls] = names[cls.__name__] = new
+        return new
+
+    top = make(base)
+    top.__nested__ = names
+    return top
+
+
+@functools.cache
+def _old_schema(api_key: int, version: int, request: bool) -> type | None:
+    spec = _OLD_VERSIONS.get((api_key, version))
+    if spec is None:
+        return None
+    base_version, req_edits, resp_edits = spec
+    flexible = header = None
+    if api_key == API_WRITE_TXN_MARKERS and version == 0:
+        from kio.schema.request_header.v1.header import RequestHeader
+        from kio.schema.response_header.v0.header import ResponseHeader
+
+        flexible, header = False, RequestHeader if request else ResponseHeader
+    base = (load_request_schema if request else load_response_schema)(api_key, base_version)
+    return _derive(base, version, req_edits if request else resp_edits, flexible, header)
+
+
+def request_schema(api_key: int, version: int) -> type:
+    """The request schema of (api key, version): kio's, or derived for a version kio lacks."""
+    return _old_schema(api_key, version, True) or load_request_schema(api_key, version)
+
 
 # The client id of the request being handled (set by ``Broker.handle``; each request runs in its
 # own task, so its own context): group members are named after it, as Kafka does.
@@ -291,7 +452,7 @@ def decode_request(data: bytes) -> Request:
     if rng is None or not rng[0] <= version <= rng[1]:
         raise UnsupportedRequest(f"api key {api_key} version {version} is not supported", api_key, version,
                                  correlation_id)
-    schema = load_request_schema(api_key, version)
+    schema = request_schema(api_key, version)
     try:
         header, hsize = entity_reader(schema.__header_schema__)(data, 0)
         body, bsize = entity_reader(schema)(data, hsize)
@@ -315,7 +476,7 @@ def encode_request(body: Any, correlation_id: int, client_id: str | None = "scro
 
 # ---------------------------------------------------------------- responses
 def response_schema(api_key: int, version: int) -> type:
-    return load_response_schema(api_key, version)
+    return _old_schema(api_key, version, False) or load_response_schema(api_key, version)
 
 
 def encode_response(correlation_id: int, body: Any) -> bytes:
@@ -329,7 +490,7 @@ def encode_response(correlation_id: int, body: Any) -> bytes:
 
 def decode_response(data: bytes, api_key: int, version: int) -> tuple[int, Any]:
     """A response frame without its size -> (correlation id, kio entity). For tests and tools."""
-    schema = load_response_schema(api_key, version)
+    schema = response_schema(api_key, version)
     header, hsize = entity_reader(schema.__header_schema__)(data, 0)
     body, _ = entity_reader(schema)(data, hsize)
     return header.correlation_id, body
@@ -340,10 +501,13 @@ def our_api_ranges() -> list[tuple[int, int, int]]:
 
 
 def unsupported_api_versions_response(correlation_id: int) -> bytes:
-    """The v0-encoded UNSUPPORTED_VERSION answer to an ApiVersions request above our range."""
+    """The v0-encoded UNSUPPORTED_VERSION answer to an ApiVersions request outside our range: as Kafka's
+    (``ApiVersionsRequest.getErrorResponse``, KIP-511), it lists the ApiVersions range only; the client
+    retries at the highest version it shares with that and learns the rest from the answer."""
+    lo, hi = SUPPORTED[API_API_VERSIONS]
     body = ApiVersionsResponseV0(
         error_code=ErrorCode.unsupported_version,
-        api_keys=tuple(ApiVersionV0(api_key=k, min_version=lo, max_version=hi) for k, lo, hi in our_api_ranges()),
+        api_keys=(ApiVersionV0(api_key=API_API_VERSIONS, min_version=lo, max_version=hi),),
     )
     return encode_response(correlation_id, body)
 
@@ -359,6 +523,9 @@ def nested(body_cls: type, name: str) -> type:
     """A nested entity class of the same schema module (e.g. ``PartitionData`` of Fetch v12)."""
     import sys
 
+    derived = getattr(body_cls, "__nested__", None)  # a version kio lacks (``_derive``)
+    if derived is not None and name in derived:
+        return derived[name]
     return getattr(sys.modules[body_cls.__module__], name)
 
 

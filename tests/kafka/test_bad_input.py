@@ -99,14 +99,15 @@ def test_api_versions_above_range_gets_v0_unsupported(shim):
         s.sendall(codec.frame(bytes.fromhex("0012" "0009" "00000005" "ffff" "00")))
         corr, body = codec.decode_response(recv_frame(s), 18, 0)
         assert corr == 5 and body.error_code == ErrorCode.unsupported_version
-        assert (3, 0, 12) in {(k.api_key, k.min_version, k.max_version) for k in body.api_keys}
+        # as Kafka (KIP-511): the ApiVersions range only
+        assert [(k.api_key, k.min_version, k.max_version) for k in body.api_keys] == [(18, *codec.SUPPORTED[18])]
         s.sendall(codec.encode_request(ApiVersionsRequest(), 6))  # the connection stays usable
         assert codec.decode_response(recv_frame(s), 18, 0)[0] == 6
 
 
 def test_unsupported_version_of_known_api_closes(shim):
     with connect(shim) as s:
-        s.sendall(codec.frame(bytes.fromhex("0000" "0002" "00000001" "ffff")))  # Produce v2
+        s.sendall(codec.frame(bytes.fromhex("0000" "000d" "00000001" "ffff")))  # Produce v13
         assert_closed(s)
     assert_serving(shim)
 

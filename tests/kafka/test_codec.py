@@ -48,12 +48,12 @@ def test_api_versions_v3_response_hand_checked():
     assert (corr, decoded) == (5, body)
 
 
-def test_unsupported_api_versions_answer_is_v0_with_our_ranges():
+def test_unsupported_api_versions_answer_is_v0_with_the_api_versions_range():
     frame = codec.unsupported_api_versions_response(9)
     assert frame[4:8] == bytes.fromhex("00000009") and frame[8:10] == bytes.fromhex("0023")  # 35
     corr, body = codec.decode_response(frame[4:], 18, 0)
     assert corr == 9 and body.error_code == ErrorCode.unsupported_version
-    assert {(k.api_key, k.min_version, k.max_version) for k in body.api_keys} == set(codec.our_api_ranges())
+    assert [(k.api_key, k.min_version, k.max_version) for k in body.api_keys] == [(18, *codec.SUPPORTED[18])]
 
 
 def test_metadata_and_produce_requests_round_trip():
