@@ -1,0 +1,134 @@
+"""Conformance with Apache Kafka's rules where other clients' own test suites found us differing.
+Each test names the Kafka rule it checks (the code carries the rule and its source)."""
+
+from __future__ import annotations
+
+from kio.schema.errors import ErrorCode
+
+from compat_kafka.groups import COMPLETING, PREPARING, STABLE, SyncResult
+from tests.kafka.test_coordinator import Harness
+
+
+# ---------------------------------------------------------------- 1. static members (KIP-345)
+def static_group(h: Harness, v9: bool = False) -> dict[str, str]:
+    """Two static members (instances i1, i2) through the first rebalance and the leader's sync:
+    instance -> member id. Each member's assignment is its member id."""
+    t1 = h.join(instance="i1", client="a")
+    t2 = h.join(instance="i2", client="b")
+    h.advance(0.2)
+    j1, j2 = h.answers[t1], h.answers[t2]
+    assert j1.error == j2.error == ErrorCode.none and j1.generation == j2.generation == 1
+    ids = {"i1": j1.member_id, "i2": j2.member_id}
+    leader = j1.leader
+    for inst, mid in ids.items():
+        h.sync(mid, 1, {m: m.encode() for m in ids.values()} if mid == leader else None, instance=inst)
+    assert h.g.state == STABLE
+    return ids
+
+
+def join_v9(h: Harness, instance: str, client: str, protocols=None) -> str:
+    token = f"join-v9-{instance}-{h.now}"
+    h.collect(h.g.join(h.now, token, member_id="", instance_id=instance, protocol_type="consumer",
+                       protocols=protocols or (("range", b"r-meta"), ("roundrobin", b"rr-meta")),
+                       session_timeout_ms=1000, rebalance_timeout_ms=2000, require_known_member_id=True,
+                       client_id=client, supports_skip_assignment=True))
+    return token
+
+
+def test_static_follower_rejoining_stable_group_gets_old_assignment_without_rebalance():
+    h = Harness()
+    ids = static_group(h)
+    leader = h.g.leader
+    follower_inst = next(i for i, m in ids.items() if m != leader)
+    old = ids[follower_inst]
+    t = h.join(instance=follower_inst, client="a" if follower_inst == "i1" else "b")
+    r = h.answers[t]  # answered at once: no join barrier
+    assert r.error == ErrorCode.none and r.member_id != old
+    assert r.generation == 1 and r.leader == leader and r.members == () and not r.skip_assignment
+    assert h.g.state == STABLE and h.g.generation == 1
+    s = h.sync(r.member_id, 1, instance=follower_inst)
+    assert h.answers[s] == SyncResult(ErrorCode.none, old.encode(), "consumer", "range")  # the old assignment
+    # the other member is not asked to rejoin
+    assert h.g.heartbeat(h.now, member_id=leader, generation=1, instance_id=None) == ErrorCode.none
+
+
+def test_static_leader_rejoining_before_v9_is_told_the_old_leader_id():
+    """Before JoinGroup v9 the answer names the leader as it was before the replacement, so the
+    restarted leader takes itself for a follower and does not run the assignor."""
+    h = Harness()
+    ids = static_group(h)
+    old_leader = h.g.leader
+    inst = next(i for i, m in ids.items() if m == old_leader)
+    t = h.join(instance=inst, client="a" if inst == "i1" else "b")
+    r = h.answers[t]
+    assert r.error == ErrorCode.none and r.generation == 1 and r.leader == old_leader != r.member_id
+    assert r.members == () and h.g.state == STABLE and h.g.leader == r.member_id
+    s = h.sync(r.member_id, 1, instance=inst)
+    assert h.answers[s].assignment == old_leader.encode()
+
+
+def test_static_leader_rejoining_v9_gets_members_and_skip_assignment():
+    h = Harness()
+    ids = static_group(h)
+    old_leader = h.g.leader
+    inst = next(i for i, m in ids.items() if m == old_leader)
+    r = h.answers[join_v9(h, inst, "a" if inst == "i1" else "b")]
+    assert r.error == ErrorCode.none and r.generation == 1 and r.leader == r.member_id and r.skip_assignment
+    assert {m for m, _i, _md in r.members} == {r.member_id, *(m for m in ids.values() if m != old_leader)}
+    assert h.g.state == STABLE
+    s = h.sync(r.member_id, 1, instance=inst)  # SkipAssignment: no assignments sent
+    assert h.answers[s].assignment == old_leader.encode()
+
+
+def test_static_rejoin_changing_the_selected_protocol_rebalances():
+    h = Harness()
+    static_group(h)
+    t = h.join(instance="i1", client="a", protocols=(("roundrobin", b"rr"),))  # range no longer common
+    assert t not in h.answers and h.g.state == PREPARING and h.g.generation == 1
+
+
+# ---------------------------------------------------------------- 2. rebalance timeouts (KAFKA-12890)
+def test_initial_rebalance_waits_the_delay_even_with_rebalance_timeout_0():
+    h = Harness()
+    t1 = h.new_member(client="a", rebalance_ms=0)
+    h.advance(0.05)  # within the 100 ms initial delay: a second member still makes the first generation
+    t2 = h.new_member(client="b", rebalance_ms=0)
+    assert t1 not in h.answers and t2 not in h.answers
+    h.advance(0.1)
+    assert h.answers[t1].generation == h.answers[t2].generation == 1
+
+
+def test_follower_that_never_syncs_is_removed_at_the_rebalance_timeout_even_once_stable():
+    h = Harness()
+    ta, tb = h.new_member(client="a"), h.new_member(client="b")
+    h.advance(0.2)
+    ja, jb = h.answers[ta], h.answers[tb]
+    leader = ja.leader
+    follower = jb.member_id if ja.member_id == leader else ja.member_id
+    h.sync(leader, 1, {leader: b"l", follower: b"f"})
+    assert h.g.state == STABLE
+    for _ in range(3):  # both heartbeat (session 1 s); the follower never syncs
+        h.advance(0.5)
+        assert h.g.state == STABLE
+        for mid in (leader, follower):
+            assert h.g.heartbeat(h.now, member_id=mid, generation=1, instance_id=None) == ErrorCode.none
+    h.advance(0.6)  # past 2 s (the rebalance timeout) after the join barrier
+    assert follower not in h.g.members and leader in h.g.members and h.g.state == PREPARING
+
+
+def test_rebalance_timeout_0_is_taken_literally():
+    """Kafka takes a v1+ rebalance timeout of 0 as sent: the pending-sync timer fires as soon as the
+    join barrier completes, so the member is gone before its SyncGroup (Kafka does the same; only
+    JoinGroup v0, which has no rebalance timeout, uses the session timeout)."""
+    h = Harness()
+    t = h.new_member(client="a", rebalance_ms=0)
+    h.advance(0.1)  # the initial delay, then at once the pending-sync timeout
+    j = h.answers[t]
+    assert j.error == ErrorCode.none and j.generation == 1
+    s = h.sync(j.member_id, 1, {j.member_id: b"x"})
+    assert h.answers[s].error == ErrorCode.unknown_member_id
+    t = h.join(v4=False, rebalance_ms=-1)  # v0: the session timeout (1 s) stands in
+    h.advance(0.1)
+    j = h.answers[t]
+    s = h.sync(j.member_id, j.generation, {j.member_id: b"x"})
+    assert h.answers[s] == SyncResult(ErrorCode.none, b"x", "consumer", "range")
