@@ -3,9 +3,23 @@ Each test names the Kafka rule it checks (the code carries the rule and its sour
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic
 from kio.schema.errors import ErrorCode
 
-from compat_kafka.groups import COMPLETING, PREPARING, STABLE, SyncResult
+from compat_kafka.admin import InvalidReplicaAssignment, check_new_partition_assignments
+from compat_kafka.groups import PREPARING, STABLE, SyncResult
+from compat_kafka.transactions import (
+    COMPLETE_COMMIT,
+    ONGOING,
+    PREPARE_ABORT,
+    PREPARE_COMMIT,
+    TxnMeta,
+    check_txn_offset_commit,
+)
 from tests.kafka.test_coordinator import Harness
 
 
@@ -132,3 +146,93 @@ def test_rebalance_timeout_0_is_taken_literally():
     j = h.answers[t]
     s = h.sync(j.member_id, j.generation, {j.member_id: b"x"})
     assert h.answers[s] == SyncResult(ErrorCode.none, b"x", "consumer", "range")
+
+
+# ---------------------------------------------------------------- 3. CreatePartitions assignments
+@pytest.mark.parametrize(("added", "assignments", "message"), [
+    (2, [[0]], "Attempted to add 2 additional partition(s), but only 1 assignment(s) were specified."),
+    (1, [[]], "The manual partition assignment includes an empty replica list."),
+    (1, [[7]], "The manual partition assignment includes broker 7, but no such broker is registered."),
+    (1, [[0, 0]], "The manual partition assignment includes the broker 0 more than once."),
+    (1, [[0, 1]], "The manual partition assignment includes a partition with 2 replica(s), but this is not "
+                  "consistent with previous partitions, which have 1 replica(s)."),
+])
+def test_create_partitions_assignment_rules(added, assignments, message):
+    with pytest.raises(InvalidReplicaAssignment) as ei:
+        check_new_partition_assignments(added, assignments, {0, 1})
+    assert str(ei.value) == message and ei.value.code == ErrorCode.invalid_replica_assignment
+
+
+def test_create_partitions_valid_assignment_passes():
+    check_new_partition_assignments(2, [[1], [0]], {0, 1})
+    check_new_partition_assignments(2, None, {0})
+
+
+@pytest.mark.process
+def test_create_partitions_naming_an_unknown_broker_is_refused(shim, topic):
+    admin = AdminClient({"bootstrap.servers": shim.bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(timeout=20)
+    broker = admin.describe_cluster().result(timeout=20).nodes[0].id
+    fut = admin.create_partitions([NewPartitions(topic, 2, replica_assignment=[[broker + 1000]])])[topic]
+    with pytest.raises(KafkaException) as ei:
+        fut.result(timeout=20)
+    assert ei.value.args[0].code() == KafkaError.INVALID_REPLICA_ASSIGNMENT
+    assert f"broker {broker + 1000}, but no such broker is registered" in ei.value.args[0].str()
+    assert len(admin.list_topics(topic, timeout=10).topics[topic].partitions) == 1  # nothing added
+    admin.create_partitions([NewPartitions(topic, 2, replica_assignment=[[broker]])])[topic].result(timeout=20)
+    assert len(admin.list_topics(topic, timeout=10).topics[topic].partitions) == 2
+
+
+# ---------------------------------------------------------------- 4. DescribeConfigs of the broker
+@pytest.mark.process
+def test_broker_configs_name_the_listeners_and_the_replication_factor_metadata_shows(shim, topic):
+    admin = AdminClient({"bootstrap.servers": shim.bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=2)])[topic].result(timeout=20)  # the default factor
+    md = admin.list_topics(topic, timeout=10)
+    broker = next(iter(md.brokers.values()))
+    res = ConfigResource(ConfigResource.Type.BROKER, str(broker.id))
+    configs = admin.describe_configs([res])[res].result(timeout=20)
+    assert configs["advertised.listeners"].value == f"PLAINTEXT://{broker.host}:{broker.port}"
+    assert configs["listeners"].value == f"PLAINTEXT://127.0.0.1:{shim.port}"
+    replicas = {len(p.replicas) for p in md.topics[topic].partitions.values()}
+    assert replicas == {int(configs["default.replication.factor"].value)} == {1}
+
+
+# ---------------------------------------------------------------- 5. TxnOffsetCommit
+def test_txn_offset_commit_rules():
+    """Kafka 3.9's verification answers, in order (see ``check_txn_offset_commit``)."""
+    meta = TxnMeta("tx", 5, 2, ONGOING, groups=frozenset({"g"}))
+    assert check_txn_offset_commit(meta, "tx", "g", 5, 2) is meta
+    for bad, producer, epoch, group, code in [
+        (None, 5, 2, "g", ErrorCode.invalid_producer_id_mapping),  # an unknown transactional id
+        (meta, 6, 2, "g", ErrorCode.invalid_producer_id_mapping),
+        (meta, 5, 1, "g", ErrorCode.producer_fenced),
+        (replace(meta, state=PREPARE_COMMIT), 5, 2, "g", ErrorCode.concurrent_transactions),
+        (replace(meta, state=PREPARE_ABORT), 5, 2, "g", ErrorCode.concurrent_transactions),
+        (meta, 5, 2, "other", ErrorCode.invalid_txn_state),  # no AddOffsetsToTxn for this group
+        (replace(meta, state=COMPLETE_COMMIT), 5, 2, "g", ErrorCode.invalid_txn_state),
+    ]:
+        with pytest.raises(Exception) as ei:
+            check_txn_offset_commit(bad, "tx", group, producer, epoch)
+        assert ei.value.code == code, (bad, producer, epoch, group)
+
+
+@pytest.mark.process
+def test_txn_offset_commit_with_an_unknown_transactional_id_is_refused_as_kafka_3_9_does(shim, topic):
+    from kio.schema.txn_offset_commit.v3.request import (
+        TxnOffsetCommitRequest,
+        TxnOffsetCommitRequestPartition,
+        TxnOffsetCommitRequestTopic,
+    )
+
+    from tests.kafka.shimproc import RawConnection
+
+    admin = AdminClient({"bootstrap.servers": shim.bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(timeout=20)
+    with RawConnection(shim.port) as conn:
+        r = conn.call(TxnOffsetCommitRequest(
+            transactional_id=f"never-initialised-{topic}", group_id=f"g-{topic}", producer_id=12345,
+            producer_epoch=0, generation_id=-1, member_id="", group_instance_id=None,
+            topics=(TxnOffsetCommitRequestTopic(name=topic, partitions=(TxnOffsetCommitRequestPartition(
+                partition_index=0, committed_offset=1, committed_leader_epoch=-1, committed_metadata=""),)),)))
+    assert r.topics[0].partitions[0].error_code == ErrorCode.invalid_producer_id_mapping
