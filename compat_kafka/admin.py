@@ -75,6 +75,41 @@ class InvalidReplicaAssignment(KafkaError):
     code = ErrorCode.invalid_replica_assignment
 
 
+# Replicas per partition as Metadata shows them: the partition's leader alone (broker.py ``metadata``;
+# the stream's data is replicated by the storage below, which Kafka clients do not see).
+REPLICATION_FACTOR = 1
+
+
+def check_new_partition_assignments(added: int, assignments: list[list[int]] | None, brokers: set[int],
+                                    replication_factor: int = REPLICATION_FACTOR) -> None:
+    """CreatePartitions' manual assignments, checked as Kafka's controller checks them (Kafka 3.9 /
+    4.x ``ReplicationControlManager.createPartitions`` and ``validateManualPartitionAssignment``,
+    messages included): as many assignments as partitions added; each a non-empty list of
+    registered brokers (here: the live listeners' node ids), none twice, with as many replicas as
+    the topic's existing partitions have (``replication_factor``). Raises InvalidReplicaAssignment."""
+    if assignments is None:
+        return
+    if len(assignments) != added:
+        raise InvalidReplicaAssignment(f"Attempted to add {added} additional partition(s), but only "
+                                       f"{len(assignments)} assignment(s) were specified.")
+    for replicas in assignments:
+        if not replicas:
+            raise InvalidReplicaAssignment("The manual partition assignment includes an empty replica list.")
+        prev = None
+        for b in sorted(replicas):
+            if b not in brokers:
+                raise InvalidReplicaAssignment(f"The manual partition assignment includes broker {b}, but no "
+                                               "such broker is registered.")
+            if b == prev:
+                raise InvalidReplicaAssignment(f"The manual partition assignment includes the broker {b} more "
+                                               "than once.")
+            prev = b
+        if len(replicas) != replication_factor:
+            raise InvalidReplicaAssignment(
+                f"The manual partition assignment includes a partition with {len(replicas)} replica(s), but "
+                f"this is not consistent with previous partitions, which have {replication_factor} replica(s).")
+
+
 # Kafka's topic config names and their types. Only retention.* act (see the module docstring).
 TOPIC_CONFIG_TYPES: dict[str, int] = {
     "cleanup.policy": T_LIST, "compression.type": T_STRING, "delete.retention.ms": T_LONG,
@@ -407,7 +442,11 @@ class Admin:
             "broker.id": (str(self._node_id()), T_INT),
             "num.partitions": (str(c.default_partitions), T_INT),
             "auto.create.topics.enable": (str(c.auto_create_topics).lower(), T_BOOLEAN),
-            "default.replication.factor": (str(c.write_quorum), T_INT),
+            # Kafka clients see one replica per partition (Metadata's replica and ISR lists name the
+            # leader alone), so that is the replication factor a new topic gets: not the storage's
+            # write quorum, which Kafka clients never see
+            "default.replication.factor": (str(REPLICATION_FACTOR), T_INT),
+            **self._listener_configs(),
             "min.insync.replicas": (str(c.ack_quorum), T_INT),
             "message.max.bytes": (self._topic_defaults()["max.message.bytes"][0], T_INT),
             "log.retention.ms": ("-1", T_LONG),
@@ -423,6 +462,22 @@ class Admin:
                 "offset.metadata.max.bytes": (str(g.max_metadata_bytes), T_INT),
             })
         return out
+
+    def _listener_configs(self) -> dict[str, tuple[str, int]]:
+        """``listeners`` (where this process binds) and ``advertised.listeners`` (the addresses
+        Metadata gives clients), in Kafka's ``NAME://host:port,...`` syntax, as registered."""
+        def fmt(endpoints) -> str:
+            return ",".join(f"{n}://{f'[{h}]' if ':' in h else h}:{p}" for n, h, p in endpoints)
+
+        own = getattr(self.broker, "ownership", None)
+        if own is not None:
+            me = own.me
+            advertised = me.endpoints or (("PLAINTEXT", me.host, me.port),)
+        else:
+            c = self.broker.config
+            advertised = (("PLAINTEXT", c.host, c.port),)
+        bound = getattr(self.broker, "bound_listeners", ()) or advertised
+        return {"listeners": (fmt(bound), T_STRING), "advertised.listeners": (fmt(advertised), T_STRING)}
 
     async def describe_configs(self, req, resp_cls):
         result_cls = nested(resp_cls, "DescribeConfigsResult")
@@ -532,13 +587,15 @@ class Admin:
         current = rec.partitions
         limit = self.broker.config.max_partitions
         if count < current:
-            raise InvalidPartitions(f"topic {name!r} has {current} partitions; they cannot be reduced to {count}")
+            raise InvalidPartitions(f"The topic {name} currently has {current} partition(s); {count} would not "
+                                    "be an increase.")  # Kafka's messages (ReplicationControlManager)
         if count == current:
-            raise InvalidPartitions(f"topic {name!r} already has {current} partitions")
+            raise InvalidPartitions(f"Topic already has {current} partition(s).")
         if count > limit:
             raise InvalidPartitions(f"at most {limit} partitions per topic, not {count}")
-        if assignments is not None and len(assignments) != count - current:
-            raise InvalidReplicaAssignment(f"{len(assignments)} assignments for {count - current} new partitions")
+        if assignments is not None:
+            brokers = {n for n, _h, _p in await self.live_brokers()}
+            check_new_partition_assignments(count - current, [list(a.broker_ids) for a in assignments], brokers)
         if validate_only:
             return
         # streams first (leftovers reused), then the record's count: never a partition without a stream

@@ -40,7 +40,7 @@ from streams.errors import NoSuchTopic, StaleTermError, TopicExists
 from streams.topics import InvalidTopicName, TopicMeta, check_topic_name
 
 from . import authorizer, codec
-from .admin import Admin, check_topic_configs, retention_policy
+from .admin import REPLICATION_FACTOR, Admin, check_topic_configs, retention_policy
 from .batches import downconvert, split_batches, upconvert
 from .codec import ZERO_MS, build, nested
 from .errors import (
@@ -181,6 +181,7 @@ class Broker:
         }
         self.groups = GroupCoordinator(self, self.config.groups)  # consumer groups (groups.py)
         self.admin = Admin(self)  # configs, partitions, cluster (admin.py)
+        self.bound_listeners: tuple[tuple[str, str, int], ...] = ()  # (name, bind host, port): set by the server
         self.txn = TransactionCoordinator(self, self.config.transactions)  # transactions (transactions.py)
         self.inter_broker = InterBrokerClient(self.store, self.config.inter_broker_ca)  # WriteTxnMarkers
         self._handlers.update(self.groups.handlers())
@@ -1006,7 +1007,7 @@ class Broker:
             try:
                 meta = await self.create_topic(t.name, n, configs, req.validate_only)
                 out.append(build(result_cls, name=t.name, topic_id=meta.topic_id, error_code=ErrorCode.none,
-                                 error_message=None, num_partitions=n, replication_factor=self.config.write_quorum,
+                                 error_message=None, num_partitions=n, replication_factor=REPLICATION_FACTOR,
                                  configs=()))
             except Exception as exc:
                 self._log_error("create_topics", t.name, -1, exc)

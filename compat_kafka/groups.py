@@ -117,6 +117,7 @@ class JoinResult:
     protocol_name: str | None = None
     leader: str = ""
     members: tuple[tuple[str, str | None, bytes], ...] = ()  # (member id, instance id, metadata): leader only
+    skip_assignment: bool = False  # JoinGroup v9+: the leader must not run the assignor (a static rejoin)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,9 @@ class Group:
         self.join_started = 0.0
         self.new_member_joined = False
         self.sync_deadline: float | None = None
+        # members of the generation that have not sent their SyncGroup yet (Kafka's pending sync
+        # members, KAFKA-12890): removed when the rebalance timeout passes, even once Stable
+        self.pending_sync: set[str] = set()
 
     # ------------------------------------------------------------ queries
     @property
@@ -193,7 +197,7 @@ class Group:
         ds += [m.last_heartbeat + m.session_timeout_s for m in self.members.values() if not m.waiting]
         if self.state == PREPARING and self.join_deadline is not None:
             ds.append(self.join_deadline)
-        if self.state == COMPLETING and self.sync_deadline is not None:
+        if self.state in (COMPLETING, STABLE) and self.sync_deadline is not None and self.pending_sync:
             ds.append(self.sync_deadline)
         return min(ds, default=None)
 
@@ -224,7 +228,8 @@ class Group:
     # ------------------------------------------------------------ JoinGroup
     def join(self, now: float, token: Any, *, member_id: str, instance_id: str | None, protocol_type: str,
              protocols: tuple[tuple[str, bytes], ...], session_timeout_ms: int, rebalance_timeout_ms: int,
-             require_known_member_id: bool, client_id: str = "", client_host: str = "") -> list[Completion]:
+             require_known_member_id: bool, client_id: str = "", client_host: str = "",
+             supports_skip_assignment: bool = False) -> list[Completion]:
         def fail(code: ErrorCode, mid: str = member_id) -> list[Completion]:
             return [(token, JoinResult(code, mid))]
 
@@ -243,7 +248,7 @@ class Group:
                     protocol_type=protocol_type, protocols=tuple(protocols))
         if member_id == "":
             if instance_id is not None:
-                return self._join_static_new(now, token, spec)
+                return self._join_static_new(now, token, spec, supports_skip_assignment)
             if len(self.members) + len(self.pending) >= c.max_group_size:
                 return fail(ErrorCode.group_max_size_reached)
             mid = self.member_ids(client_id)
@@ -267,7 +272,25 @@ class Group:
             return [(token, self._join_result(m))]
         return self._update_and_wait(now, token, m, spec)  # changed metadata, or the leader rejoins
 
-    def _join_static_new(self, now: float, token: Any, spec: dict) -> list[Completion]:
+    def _join_static_new(self, now: float, token: Any, spec: dict, supports_skip_assignment: bool = False
+                         ) -> list[Completion]:
+        """A static member joining without a member id.
+
+        Kafka's rule (KIP-345; Kafka 3.9 ``GroupCoordinator.updateStaticMemberAndRebalance``, 4.x
+        ``GroupMetadataManager.updateStaticMemberThenRebalanceOrCompleteJoin``): a known instance id
+        gets a new member id that replaces (fences) the old one, keeping its assignment, and its
+        metadata and timeouts are updated. Then, by group state:
+
+        - Stable: if the protocol the group would select for the next generation is the current one,
+          there is *no* rebalance: the JoinGroup is answered at once with the current generation
+          (before JoinGroup v9 with the leader id as it was before the replacement, so a rejoining
+          leader does not think it leads and run the assignor; from v9 with the current leader, and
+          the leader gets the members and ``SkipAssignment`` set). The following SyncGroup of the
+          current generation returns the member's assignment. If the selected protocol would change,
+          the group rebalances.
+        - CompletingRebalance: rebalance (the leader may have been sent the old member id).
+        - PreparingRebalance: the member waits for the join barrier like the others.
+        """
         instance_id = spec["instance_id"]
         old = self.static.get(instance_id)
         if old is None:
@@ -275,6 +298,7 @@ class Group:
                 return [(token, JoinResult(ErrorCode.group_max_size_reached, ""))]
             return self._add_member(now, token, self.member_ids(spec["client_id"]), spec)
         # the instance restarted: its new member id replaces (fences) the old one
+        current_leader = self.leader
         out = []
         m = self.members.pop(old)
         for waiter in (m.join_waiter, m.sync_waiter):
@@ -287,6 +311,29 @@ class Group:
         self.static[instance_id] = m.member_id
         if self.leader == old:
             self.leader = m.member_id
+        if old in self.pending_sync:
+            self.pending_sync.discard(old)
+            self.pending_sync.add(m.member_id)
+        if self.state == STABLE:
+            previous = m.protocols
+            m.protocols = spec["protocols"]
+            if self._vote() == self.protocol_name:
+                for k in ("client_id", "client_host", "session_timeout_s", "rebalance_timeout_s"):
+                    setattr(m, k, spec[k])
+                m.last_heartbeat = now
+                log.info("group=%s: static member %s rejoined as %s (Stable, generation %d kept)", self.group_id,
+                         instance_id, m.member_id, self.generation)
+                if supports_skip_assignment:
+                    lead = m.member_id == self.leader
+                    members = tuple((x.member_id, x.instance_id, x.metadata_for(self.protocol_name))
+                                    for x in self.members.values()) if lead else ()
+                    result = JoinResult(ErrorCode.none, m.member_id, self.generation, self.protocol_type,
+                                        self.protocol_name, self.leader or "", members, skip_assignment=lead)
+                else:
+                    result = JoinResult(ErrorCode.none, m.member_id, self.generation, self.protocol_type,
+                                        self.protocol_name, current_leader or "")
+                return out + [(token, result)]
+            m.protocols = previous  # _update_and_wait sets them again, then rebalances
         return out + self._update_and_wait(now, token, m, spec)
 
     def _add_member(self, now: float, token: Any, member_id: str, spec: dict) -> list[Completion]:
@@ -328,12 +375,17 @@ class Group:
         initial = self.state == EMPTY
         self.state = PREPARING
         self.sync_deadline = None
+        self.pending_sync.clear()
         self.join_started = now
         self.new_member_joined = False
         self.join_initial = initial
         timeout = self._rebalance_timeout()
         if initial:
-            self.join_deadline = now + min(self.config.initial_rebalance_delay_ms / 1000, timeout)
+            # Kafka (3.9 GroupCoordinator.prepareRebalance's InitialDelayedJoin, 4.x
+            # GroupMetadataManager.prepareRebalance): the first rebalance of an empty group waits the
+            # whole group.initial.rebalance.delay.ms, whatever the rebalance timeout (even 0); only
+            # the extensions while new members keep arriving are bounded by it (see tick)
+            self.join_deadline = now + self.config.initial_rebalance_delay_ms / 1000
         else:
             self.join_deadline = now + timeout
         return out + self._maybe_complete_join(now)
@@ -360,7 +412,14 @@ class Group:
             self.leader = next(iter(self.members))
         self.protocol_name = self._vote()
         self.state = COMPLETING
+        # Kafka's pending-sync timeout (KAFKA-12890; 3.9 GroupCoordinator.schedulePendingSync, 4.x
+        # GroupMetadataManager.schedulePendingSync): the group's rebalance timeout (the largest of its
+        # members', taken as sent: JoinGroup v0 has none and uses the session timeout, v1+ even 0)
+        # after the join barrier, members that have not sent SyncGroup are removed and the group
+        # rebalances, in CompletingRebalance and also once Stable. With a rebalance timeout of 0 that
+        # is at once: Kafka too loses such members before their SyncGroup.
         self.sync_deadline = now + self._rebalance_timeout()
+        self.pending_sync = set(self.members)
         for m in self.members.values():
             out.append((m.join_waiter, self._join_result(m)))
             m.join_waiter = None
@@ -400,6 +459,7 @@ class Group:
         if self.state == PREPARING:
             return fail(ErrorCode.rebalance_in_progress)
         m.last_heartbeat = now
+        self.pending_sync.discard(member_id)
         if self.state == STABLE:
             return [(token, self._sync_result(m))]
         out: list[Completion] = []
@@ -411,7 +471,8 @@ class Group:
         for x in self.members.values():
             x.assignment = assignments.get(x.member_id, b"")
         self.state = STABLE
-        self.sync_deadline = None
+        if not self.pending_sync:
+            self.sync_deadline = None
         for x in self.members.values():
             if x.sync_waiter is not None:
                 out.append((x.sync_waiter, self._sync_result(x)))
@@ -484,6 +545,7 @@ class Group:
         if m.sync_waiter is not None:
             out.append((m.sync_waiter, SyncResult(ErrorCode.unknown_member_id)))
         del self.members[m.member_id]
+        self.pending_sync.discard(m.member_id)
         if m.instance_id is not None and self.static.get(m.instance_id) == m.member_id:
             del self.static[m.instance_id]
         if self.leader == m.member_id:
@@ -535,12 +597,14 @@ class Group:
                 self.join_deadline = now + min(self.config.initial_rebalance_delay_ms / 1000, remaining)
             else:
                 out += self._complete_join(now)
-        if self.state == COMPLETING and self.sync_deadline is not None and self.sync_deadline <= now:
-            late = [m for m in self.members.values() if m.sync_waiter is None]
-            for m in late:
-                out += self._forget(m)
-            log.info("group=%s: %d members did not sync in time", self.group_id, len(late))
-            out += self._prepare_rebalance(now)
+        if self.state in (COMPLETING, STABLE) and self.sync_deadline is not None and self.sync_deadline <= now:
+            self.sync_deadline = None
+            late = [self.members[mid] for mid in list(self.pending_sync) if mid in self.members]
+            if late:
+                for m in late:
+                    out += self._forget(m)
+                log.info("group=%s: %d members did not sync in time", self.group_id, len(late))
+                out += self._prepare_rebalance(now)
         return out
 
     # ------------------------------------------------------------ DescribeGroups
@@ -863,7 +927,8 @@ class GroupCoordinator:
                 protocol_type=req.protocol_type, protocols=tuple((p.name, p.metadata) for p in req.protocols),
                 session_timeout_ms=int(req.session_timeout.total_seconds() * 1000),
                 rebalance_timeout_ms=int(rebalance_ms), require_known_member_id=version >= 4,
-                client_id=codec.current_client_id() or "", client_host=codec.current_client_host()))
+                client_id=codec.current_client_id() or "", client_host=codec.current_client_host(),
+                supports_skip_assignment=version >= 9))
             self._kick()
             result: JoinResult = await fut
             if result.error == ErrorCode.none:
@@ -873,7 +938,7 @@ class GroupCoordinator:
         member_cls = nested(resp_cls, "JoinGroupResponseMember")
         return build(resp_cls, throttle_time=ZERO_MS, error_code=result.error, generation_id=result.generation,
                      protocol_type=result.protocol_type, protocol_name=result.protocol_name or "",
-                     leader=result.leader, skip_assignment=False, member_id=result.member_id,
+                     leader=result.leader, skip_assignment=result.skip_assignment, member_id=result.member_id,
                      members=tuple(build(member_cls, member_id=mid, group_instance_id=iid, metadata=md)
                                    for mid, iid, md in result.members))
 

@@ -189,6 +189,9 @@ class KafkaServer:
                                                  ssl_handshake_timeout=10.0 if tls is not None else None)
                 self._servers.append((li, srv))
             ports = self.ports
+            # where each listener binds (DescribeConfigs' ``listeners``; ``advertised.listeners`` are
+            # the registered endpoints)
+            self.broker.bound_listeners = tuple((li.name, li.host, ports[li.name]) for li in self.config.listeners)
             await self.broker.start(self.port, [(li.name, ports[li.name]) for li in self.config.listeners])
         except BaseException:
             for _li, srv in self._servers:

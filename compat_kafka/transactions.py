@@ -265,6 +265,31 @@ def check_producer(meta: TxnMeta | None, txn_id: str, producer_id: int, epoch: i
     return meta
 
 
+def check_txn_offset_commit(meta: TxnMeta | None, txn_id: str, group: str, producer_id: int,
+                            epoch: int) -> TxnMeta:
+    """Whether a TxnOffsetCommit (v0-3) may stage offsets in the transaction of ``txn_id``.
+
+    Kafka's rule: the group coordinator does not look the transactional id up itself; since Kafka
+    3.6 (KIP-890 part 1, ``transaction.partition.verification.enable``, on by default; 3.9
+    ``GroupCoordinator.handleTxnCommitOffsets`` -> ``ReplicaManager.
+    maybeStartTransactionVerificationForPartition``) it asks the transaction coordinator to verify
+    that the group's offsets partition is in the producer's ongoing transaction
+    (``TransactionCoordinator.handleVerifyPartitionsInTransaction``), which answers, in this
+    order: unknown transactional id or another producer id -> INVALID_PRODUCER_ID_MAPPING;
+    another epoch -> PRODUCER_FENCED; PrepareCommit/PrepareAbort -> CONCURRENT_TRANSACTIONS; the
+    offsets partition not in the transaction (no AddOffsetsToTxn) -> TRANSACTION_ABORTABLE, which
+    the broker turns into INVALID_TXN_STATE for TxnOffsetCommit below v4 (``AddPartitionsToTxn
+    Manager``). So Kafka 3.9 refuses an unknown transactional id as we do; Kafka before 3.6 (or with
+    verification off) accepted it and let the producer id and epoch alone guard the write."""
+    meta = check_producer(meta, txn_id, producer_id, epoch)
+    if meta.preparing:
+        raise ConcurrentTransactions(f"transactional id {txn_id!r} is completing a transaction")
+    if meta.state != ONGOING or group not in meta.groups:
+        raise InvalidTxnState(f"transactional id {txn_id!r}: group {group!r} is not in an ongoing "
+                              "transaction (AddOffsetsToTxn first)")
+    return meta
+
+
 def add_to_txn(meta: TxnMeta | None, txn_id: str, producer_id: int, epoch: int, now_ms: int,
                partitions=(), groups=()) -> TxnMeta:
     """AddPartitionsToTxn / AddOffsetsToTxn: the transaction is (or becomes) Ongoing with them."""
@@ -908,11 +933,8 @@ class TransactionCoordinator:
         now = self._now_ms()
         for _ in range(5):
             got = await self.store.get(txn_key(txn_id))
-            meta = check_producer(TxnMeta.decode(got.value) if got else None, txn_id, req.producer_id,
-                                  req.producer_epoch)
-            if meta.state != ONGOING or group not in meta.groups:
-                raise InvalidTxnState(f"transactional id {txn_id!r}: group {group!r} is not in an ongoing "
-                                      "transaction (AddOffsetsToTxn first)")
+            meta = check_txn_offset_commit(TxnMeta.decode(got.value) if got else None, txn_id, group,
+                                           req.producer_id, req.producer_epoch)
             key = txn_offsets_key(txn_id, group)
             cur = await self.store.get(key)
             offsets: dict = {}
