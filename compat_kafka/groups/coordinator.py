@@ -71,11 +71,11 @@ from kio.schema.errors import ErrorCode
 
 from streams.topics import TopicMeta, stream_partition, topic_key
 
-from . import codec
-from .codec import ZERO_MS, build, nested
+from ..transactions.coordinator import mark_unstable
+from ..wire import codec
+from ..wire.codec import ZERO_MS, build, nested
+from ..wire.errors import code_for
 from .consumer_groups import ConsumerGroup, ConsumerGroupConfig
-from .errors import code_for
-from .transactions import mark_unstable
 
 log = logging.getLogger(__name__)
 
