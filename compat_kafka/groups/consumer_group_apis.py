@@ -23,7 +23,7 @@ from kio.schema.errors import ErrorCode
 from ..wire import codec
 from ..wire.codec import ZERO_MS, build, nested
 from .consumer_groups import TP, ConsumerGroup, Heartbeat, by_topic
-from .coordinator import GroupKind
+from .records import GroupKind
 
 log = logging.getLogger(__name__)
 

@@ -825,7 +825,7 @@ class TransactionCoordinator:
         return out
 
     async def _settle_offsets(self, meta: TxnMeta, commit: bool) -> None:
-        from ..groups.coordinator import Committed
+        from ..groups.records import Committed
 
         for group in sorted(meta.groups):
             key = txn_offsets_key(meta.transactional_id, group)
