@@ -88,7 +88,7 @@ def pct(xs: list[float], q: float) -> float:
 async def reference(url: str, value_bytes: int, seconds: float) -> dict:
     """One-record batches appended with ``Producer.append_batch``, as the listener stores each
     produce batch: the per-entry cost of the streams client."""
-    from compat_kafka.partition import LISTENER_PRODUCER
+    from compat_kafka.partitions.partition import LISTENER_PRODUCER
     from streams.batches import BatchBuilder
 
     client = await connect(url)

@@ -149,7 +149,7 @@ def raw_fetches(bootstrap: str, topic: str, partitions: int, incremental: bool, 
     from kio.schema.fetch.v12 import FetchRequest
     from kio.schema.fetch.v12.request import FetchPartition, FetchTopic
 
-    from compat_kafka import codec
+    from compat_kafka.wire import codec
 
     host, port = bootstrap.split(":")
     sock = socket.create_connection((host, int(port)))

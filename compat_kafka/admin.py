@@ -38,9 +38,9 @@ from fragments.ledgers import NoSuchLedger
 from streams.errors import NoSuchTopic
 from streams.topics import TopicMeta, partition_stream, topic_key
 
-from . import codec
-from .codec import ZERO_MS, build, nested
-from .errors import (
+from .wire import codec
+from .wire.codec import ZERO_MS, build, nested
+from .wire.errors import (
     InvalidPartitions,
     InvalidRequest,
     KafkaError,

@@ -39,11 +39,21 @@ from kio.schema.errors import ErrorCode
 from streams.errors import NoSuchTopic, StaleTermError, TopicExists
 from streams.topics import InvalidTopicName, TopicMeta, check_topic_name
 
-from . import authorizer, codec
 from .admin import REPLICATION_FACTOR, Admin, check_topic_configs, retention_policy
-from .batches import downconvert, split_batches, upconvert
-from .codec import ZERO_MS, build, nested
-from .errors import (
+from .cluster.interbroker import BROKER_PRINCIPAL, InterBrokerClient, ensure_identity
+from .cluster.ownership import BROKERS as OWNERSHIP_BROKERS
+from .cluster.ownership import OWNERS, Ownership, coordinator_key, parse_partition_key, partition_key, preferred
+from .groups.coordinator import GroupConfig, GroupCoordinator
+from .partitions.fetch_sessions import FetchSession, FetchSessionCache, SessionError
+from .partitions.partition import PartitionConfig, PartitionLog
+from .security import authorizer
+from .transactions.coordinator import TransactionCoordinator, TxnConfig
+from .transactions.coordinator import error_code as txn_error_code
+from .transactions.producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
+from .wire import codec
+from .wire.batches import downconvert, split_batches, upconvert
+from .wire.codec import ZERO_MS, build, nested
+from .wire.errors import (
     CorruptMessage,
     DropConnection,
     InvalidPartitions,
@@ -57,15 +67,6 @@ from .errors import (
     UnknownTopicOrPartition,
     code_for,
 )
-from .fetch_sessions import FetchSession, FetchSessionCache, SessionError
-from .groups import GroupConfig, GroupCoordinator
-from .interbroker import BROKER_PRINCIPAL, InterBrokerClient, ensure_identity
-from .ownership import BROKERS as OWNERSHIP_BROKERS
-from .ownership import OWNERS, Ownership, coordinator_key, parse_partition_key, partition_key, preferred
-from .partition import PartitionConfig, PartitionLog
-from .producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
-from .transactions import TransactionCoordinator, TxnConfig
-from .transactions import error_code as txn_error_code
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,10 @@ from typing import Any
 
 from kio.schema.errors import ErrorCode
 
-from . import codec, sasl
 from .broker import Broker
-from .errors import DropConnection, ProtocolError, UnsupportedRequest
+from .security import sasl
+from .wire import codec
+from .wire.errors import DropConnection, ProtocolError, UnsupportedRequest
 
 log = logging.getLogger(__name__)
 

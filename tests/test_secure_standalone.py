@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from compat_kafka.client_security import read_properties
+from compat_kafka.security.client_security import read_properties
 from tests.standalone_run import ROOT, Run, ports
 
 PY = sys.executable

@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from compat_kafka.broker import BrokerConfig
-from compat_kafka.cli import serve
-from compat_kafka.consumer_groups import ConsumerGroupConfig
-from compat_kafka.groups import GroupConfig
+from compat_kafka.cli.main import serve
+from compat_kafka.groups.consumer_groups import ConsumerGroupConfig
+from compat_kafka.groups.coordinator import GroupConfig
 from compat_kafka.server import ServerConfig
 from streams.tools.localcluster import LocalCluster, free_port
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import crc32c
 
-from compat_kafka import codec
+from compat_kafka.wire import codec
 from streams.tools.localcluster import Proc, free_port
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from compat_kafka.acls import (
+from compat_kafka.security.acls import (
     AclBinding,
     AclFilter,
     AclSet,
@@ -110,8 +110,8 @@ def test_tls_principal_is_kafkas_dn_form():
 def test_listener_cache_follows_the_store():
     """Two authorizers on one store (two listeners): a binding created through one is applied by the
     other at its next refresh, and decisions cached before are dropped."""
-    from compat_kafka import codec
-    from compat_kafka.authorizer import Authorizer
+    from compat_kafka.security.authorizer import Authorizer
+    from compat_kafka.wire import codec
     from fragments.memstore import MemoryStore
 
     async def main():
@@ -484,8 +484,8 @@ def test_refusals_encode_for_every_api_and_version():
 
     from kio.schema.errors import ErrorCode
 
-    from compat_kafka import codec
-    from compat_kafka.authorizer import blank, refused
+    from compat_kafka.security.authorizer import blank, refused
+    from compat_kafka.wire import codec
 
     for key, (lo, hi) in codec.SUPPORTED.items():
         for v in range(lo, hi + 1):

@@ -19,7 +19,7 @@ from confluent_kafka.admin import (  # noqa: E402
     ResourceType,
 )
 
-from compat_kafka.groups import retention_floor  # noqa: E402
+from compat_kafka.groups.coordinator import retention_floor  # noqa: E402
 from streams.batches import stored_batch  # noqa: E402
 from streams.client import connect  # noqa: E402
 from streams.topics import partition_stream  # noqa: E402
@@ -237,7 +237,7 @@ class _KafkaErrorLike:
 def test_delete_records_moves_the_log_start_and_sets_retention(admin, shim, kafka_cluster, topic):
     from confluent_kafka import Consumer
 
-    from compat_kafka.partition import PartitionConfig, PartitionLog
+    from compat_kafka.partitions.partition import PartitionConfig, PartitionLog
 
     create_topic(shim.bootstrap, topic, 1)
     for part in range(3):  # three batches of 10

@@ -16,7 +16,7 @@ from kio.schema.metadata.v12 import MetadataRequest
 from kio.schema.produce.v9 import ProduceRequest
 from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
 
-from compat_kafka import codec
+from compat_kafka.wire import codec
 
 pytestmark = pytest.mark.process
 

@@ -16,8 +16,8 @@ from kio.schema.metadata.v12.request import MetadataRequestTopic
 from kio.schema.produce.v9 import ProduceRequest as P9Req
 from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
 
-from compat_kafka import codec
-from compat_kafka.errors import CorruptRequest, FrameTooLarge, UnsupportedRequest
+from compat_kafka.wire import codec
+from compat_kafka.wire.errors import CorruptRequest, FrameTooLarge, UnsupportedRequest
 
 
 def test_api_versions_v0_request_hand_checked():

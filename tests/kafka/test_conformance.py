@@ -11,8 +11,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, Ne
 from kio.schema.errors import ErrorCode
 
 from compat_kafka.admin import InvalidReplicaAssignment, check_new_partition_assignments
-from compat_kafka.groups import PREPARING, STABLE, SyncResult
-from compat_kafka.transactions import (
+from compat_kafka.groups.coordinator import PREPARING, STABLE, SyncResult
+from compat_kafka.transactions.coordinator import (
     COMPLETE_COMMIT,
     ONGOING,
     PREPARE_ABORT,

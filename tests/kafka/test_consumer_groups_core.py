@@ -1,4 +1,4 @@
-"""The KIP-848 state machine and assignors (compat_kafka/consumer_groups.py) without IO: the
+"""The KIP-848 state machine and assignors (compat_kafka/groups/consumer_groups.py) without IO: the
 assignors' invariants under hypothesis, and reconciliation driven by hand-made heartbeats with a
 fake clock, including a model-based run in which no partition is ever owned by two members."""
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kio.schema.errors import ErrorCode
 
-from compat_kafka.consumer_groups import (
+from compat_kafka.groups.consumer_groups import (
     ConsumerGroup,
     ConsumerGroupConfig,
     Heartbeat,

@@ -33,7 +33,7 @@ from kio.schema.offset_commit.v9.request import OffsetCommitRequestPartition, Of
 from kio.schema.offset_fetch.v9 import OffsetFetchRequest
 from kio.schema.offset_fetch.v9.request import OffsetFetchRequestGroup
 
-from compat_kafka import codec
+from compat_kafka.wire import codec
 
 from .test_bad_input import recv_frame
 from .test_groups import assignment, consumer, create_topic, poll_until, produce

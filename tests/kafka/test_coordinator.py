@@ -1,4 +1,4 @@
-"""The group coordinator state machine (``compat_kafka.groups.Group``), driven with a fake clock.
+"""The group coordinator state machine (``compat_kafka.groups.coordinator.Group``), driven with a fake clock.
 
 Each JoinGroup/SyncGroup passes a token; a test collects the completions every call returns, as the
 asyncio layer does with futures."""
@@ -10,7 +10,7 @@ import itertools
 import pytest
 from kio.schema.errors import ErrorCode
 
-from compat_kafka.groups import (
+from compat_kafka.groups.coordinator import (
     COMPLETING,
     DEAD,
     EMPTY,

@@ -19,10 +19,10 @@ from kio.schema.errors import ErrorCode
 from kio.schema.produce.v9 import ProduceRequest
 from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
 
-from compat_kafka.batches import split_batches
 from compat_kafka.broker import Broker
-from compat_kafka.errors import code_for
-from compat_kafka.partition import PartitionConfig, PartitionLog
+from compat_kafka.partitions.partition import PartitionConfig, PartitionLog
+from compat_kafka.wire.batches import split_batches
+from compat_kafka.wire.errors import code_for
 from streams.client import connect
 from streams.tools.localcluster import LocalCluster, free_port
 from tests.kafka.shimproc import RawConnection, ShimProcess, record_batch

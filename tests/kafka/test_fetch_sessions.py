@@ -12,7 +12,7 @@ import pytest
 from kio.schema.fetch.v12 import FetchRequest
 from kio.schema.fetch.v12.request import FetchPartition, FetchTopic, ForgottenTopic
 
-from compat_kafka.fetch_sessions import (
+from compat_kafka.partitions.fetch_sessions import (
     FETCH_SESSION_ID_NOT_FOUND,
     INVALID_FETCH_SESSION_EPOCH,
     FetchSessionCache,

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from compat_kafka.cli import kafka_command
-from compat_kafka.group_admin import KafkaAdmin
+from compat_kafka.cli.main import kafka_command
+from compat_kafka.groups.group_admin import KafkaAdmin
 from streams.tools.localcluster import free_port
 
 from .shimproc import ShimProcess

@@ -24,7 +24,7 @@ from kio.schema.join_group.v9.request import JoinGroupRequestProtocol  # noqa: E
 from kio.schema.offset_commit.v9 import OffsetCommitRequest  # noqa: E402
 from kio.schema.offset_commit.v9.request import OffsetCommitRequestPartition, OffsetCommitRequestTopic  # noqa: E402
 
-from compat_kafka import codec  # noqa: E402
+from compat_kafka.wire import codec  # noqa: E402
 from streams.tools.localcluster import free_port  # noqa: E402
 
 from .conftest import ShimThread  # noqa: E402

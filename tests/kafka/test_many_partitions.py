@@ -17,7 +17,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from compat_kafka.partition import PartitionLog
+from compat_kafka.partitions.partition import PartitionLog
 from streams.tools.localcluster import LocalCluster, free_port
 from tests.kafka.conftest import ShimThread
 from tests.kafka.shimproc import ShimProcess
@@ -241,7 +241,7 @@ def test_sigkilled_listener_many_partitions_served_by_survivor(tmp_path, topic):
 def test_lease_refresh_is_retried_soon_after_a_failure(monkeypatch):
     """A refresh that fails (the store busy with an open storm) is retried within a quarter second,
     not a third of the TTL later, which could let the lease run out and drop every partition."""
-    from compat_kafka.ownership import Ownership
+    from compat_kafka.cluster.ownership import Ownership
     from fragments.memstore import MemoryLease, MemoryStore
     from fragments.store import MetadataUnavailable
 

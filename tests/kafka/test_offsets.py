@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from compat_kafka.broker import Broker, BrokerConfig
-from compat_kafka.errors import OffsetOutOfRange
+from compat_kafka.wire.errors import OffsetOutOfRange
 from streams.batches import stored_batch
 from streams.client import connect
 

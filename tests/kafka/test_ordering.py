@@ -23,7 +23,7 @@ from kio.schema.offset_commit.v8.request import OffsetCommitRequestPartition, Of
 from kio.schema.offset_fetch.v7 import OffsetFetchRequest
 from kio.schema.offset_fetch.v7.request import OffsetFetchRequestTopic
 
-from compat_kafka import codec
+from compat_kafka.wire import codec
 
 from .test_bad_input import _produce, call, connect, recv_frame
 

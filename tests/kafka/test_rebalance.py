@@ -14,7 +14,7 @@ import pytest
 from confluent_kafka import Producer  # noqa: E402
 from kio.schema.errors import ErrorCode
 
-from compat_kafka.ownership import partition_key, preferred
+from compat_kafka.cluster.ownership import partition_key, preferred
 from streams.tools.localcluster import LocalCluster
 from tests.kafka.shimproc import RawConnection, ShimProcess, record_batch
 from tests.kafka.test_failover import consume, create_topic, metadata

@@ -14,7 +14,7 @@ import time
 import pytest
 from scramp import ScramClient
 
-from compat_kafka import sasl
+from compat_kafka.security import sasl
 from fragments.memstore import MemoryStore
 
 # ---------------------------------------------------------------- no network

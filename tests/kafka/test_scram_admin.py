@@ -24,7 +24,7 @@ from kio.schema.metadata.v12 import MetadataRequest
 from kio.schema.sasl_authenticate.v2 import SaslAuthenticateRequest
 from kio.schema.sasl_handshake.v1 import SaslHandshakeRequest
 
-from compat_kafka import sasl
+from compat_kafka.security import sasl
 from streams.tools.localcluster import LocalCluster
 
 from .shimproc import RawConnection, ShimProcess

@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
-from compat_kafka.transactions import (
+from compat_kafka.transactions.coordinator import (
     COMPLETE_ABORT,
     COMPLETE_COMMIT,
     EMPTY,
@@ -430,7 +430,7 @@ def test_bad_transactional_requests_get_kafka_errors(shim, topic):
     from kio.schema.produce.v9 import ProduceRequest
     from kio.schema.produce.v9.request import PartitionProduceData, TopicProduceData
 
-    from compat_kafka.transactions import control_batch
+    from compat_kafka.transactions.coordinator import control_batch
     from tests.kafka.shimproc import RawConnection
 
     create_topic(shim.bootstrap, topic)
@@ -615,8 +615,8 @@ def test_partition_index_lso_and_aborted_ranges():
 def test_control_batches_are_transactional_control_batches_aiokafka_reads():
     from aiokafka.record.default_records import DefaultRecordBatch
 
-    from compat_kafka.batches import split_batches
-    from compat_kafka.errors import InvalidRecord
+    from compat_kafka.wire.batches import split_batches
+    from compat_kafka.wire.errors import InvalidRecord
 
     raw = control_batch(42, 3, True, 7)
     b = DefaultRecordBatch(bytes(raw))
@@ -916,10 +916,10 @@ def test_partition_transaction_index_is_rebuilt_on_take_over_and_read_only_open(
     """Ongoing transactions, aborted ranges and marker coordinator epochs survive a take-over:
     from the scan alone, from the snapshot alone, and from a snapshot plus a scan after it; a
     read-only open builds the same index for read_committed."""
-    from compat_kafka.batches import split_batches
     from compat_kafka.broker import Broker
-    from compat_kafka.partition import PartitionConfig, PartitionLog
-    from compat_kafka.transactions import TransactionCoordinatorFenced
+    from compat_kafka.partitions.partition import PartitionConfig, PartitionLog
+    from compat_kafka.transactions.coordinator import TransactionCoordinatorFenced
+    from compat_kafka.wire.batches import split_batches
     from streams.client import connect
 
     async def append(plog, raw):
@@ -990,7 +990,7 @@ def test_a_new_coordinator_fences_the_old_one(kafka_cluster):
     from kio.schema.add_partitions_to_txn.v3.request import AddPartitionsToTxnTopic
 
     from compat_kafka.broker import Broker
-    from compat_kafka.transactions import NotCoordinator, TransactionCoordinatorFenced
+    from compat_kafka.transactions.coordinator import NotCoordinator, TransactionCoordinatorFenced
     from streams.client import connect
 
     async def run():

@@ -12,7 +12,7 @@ from aiokafka.record.legacy_records import LegacyRecordBatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
 from kio.schema.errors import ErrorCode
 
-from compat_kafka import codec
+from compat_kafka.wire import codec
 
 from .test_bad_input import assert_closed, assert_serving, connect, recv_frame
 

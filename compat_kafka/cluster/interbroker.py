@@ -22,8 +22,9 @@ import contextlib
 import secrets
 import struct
 
-from . import codec, sasl
-from .client_security import ClientAuthError, KafkaClientConfig
+from ..security import sasl
+from ..security.client_security import ClientAuthError, KafkaClientConfig
+from ..wire import codec
 from .ownership import BrokerInfo
 
 BROKER_USER = "__scroll_broker"

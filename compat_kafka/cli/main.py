@@ -24,12 +24,12 @@ from collections.abc import Callable
 
 import click
 
-from . import sasl
+from ..broker import Broker, BrokerConfig
+from ..security import sasl
+from ..security.acls import parse_super_users
+from ..server import KafkaServer, ListenerConfig, ServerConfig, TlsConfig
 from .acl_cli import acl_command
-from .acls import parse_super_users
-from .broker import Broker, BrokerConfig
 from .group_cli import groups_command
-from .server import KafkaServer, ListenerConfig, ServerConfig, TlsConfig
 
 
 async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,

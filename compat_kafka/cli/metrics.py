@@ -20,8 +20,8 @@ from kio.schema.list_groups.v5 import ListGroupsRequest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from .client_security import KafkaClientConfig
-from .group_admin import AdminError, GroupView, KafkaAdmin
+from ..groups.group_admin import AdminError, GroupView, KafkaAdmin
+from ..security.client_security import KafkaClientConfig
 
 log = logging.getLogger(__name__)
 

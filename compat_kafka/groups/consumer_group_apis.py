@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from kio.schema.errors import ErrorCode
 
-from . import codec
-from .codec import ZERO_MS, build, nested
+from ..wire import codec
+from ..wire.codec import ZERO_MS, build, nested
 from .consumer_groups import TP, ConsumerGroup, Heartbeat, by_topic
-from .groups import GroupKind
+from .records import GroupKind
 
 log = logging.getLogger(__name__)
 

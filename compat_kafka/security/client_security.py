@@ -24,7 +24,7 @@ from scramp import ScramClient, ScramException
 
 from fragments.security import read_client_properties as read_properties
 
-from . import codec
+from ..wire import codec
 
 _SIZE = struct.Struct(">i")
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")

@@ -45,8 +45,8 @@ from kio.schema.offset_delete.v0.request import OffsetDeleteRequestPartition, Of
 from kio.schema.offset_fetch.v8 import OffsetFetchRequest
 from kio.schema.offset_fetch.v8.request import OffsetFetchRequestGroup
 
-from . import codec
-from .client_security import ClientAuthError, KafkaClientConfig
+from ..security.client_security import ClientAuthError, KafkaClientConfig
+from ..wire import codec
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import struct
 import time
@@ -71,11 +70,12 @@ from kio.schema.errors import ErrorCode
 
 from streams.topics import TopicMeta, stream_partition, topic_key
 
-from . import codec
-from .codec import ZERO_MS, build, nested
+from ..transactions.coordinator import mark_unstable
+from ..wire import codec
+from ..wire.codec import ZERO_MS, build, nested
+from ..wire.errors import code_for
 from .consumer_groups import ConsumerGroup, ConsumerGroupConfig
-from .errors import code_for
-from .transactions import mark_unstable
+from .records import Committed, GroupKind
 
 log = logging.getLogger(__name__)
 
@@ -618,24 +618,6 @@ class Group:
 
 
 # ---------------------------------------------------------------- committed offsets in the store
-@dataclass(frozen=True)
-class Committed:
-    offset: int
-    leader_epoch: int = -1
-    metadata: str = ""
-    commit_timestamp_ms: int = 0
-
-    def encode(self) -> bytes:
-        return json.dumps({"offset": self.offset, "leader_epoch": self.leader_epoch, "metadata": self.metadata,
-                           "commit_timestamp_ms": self.commit_timestamp_ms}).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> Committed:
-        d = json.loads(raw)
-        return cls(int(d["offset"]), int(d.get("leader_epoch", -1)), d.get("metadata") or "",
-                   int(d.get("commit_timestamp_ms", 0)))
-
-
 def group_prefix(group: str) -> str:
     return f"{GROUPS_PREFIX}{quote(group, safe='')}/"
 
@@ -646,26 +628,6 @@ def offset_key(group: str, topic: str, partition: int) -> str:
 
 def kind_key(group: str) -> str:
     return f"{group_prefix(group)}kind"
-
-
-@dataclass(frozen=True)
-class GroupKind:
-    """What a group is, kept beside its offsets so that an Empty group (no members in memory, or
-    after a coordinator move) still lists as Kafka lists it: its type (``classic`` for
-    JoinGroup/SyncGroup groups, ``consumer`` for KIP-848 ConsumerGroupHeartbeat groups) and the
-    protocol type its members used (``consumer`` for Kafka consumers; empty for groups that only
-    ever had offsets committed by ``assign`` consumers, which Kafka calls simple groups)."""
-
-    group_type: str = "classic"
-    protocol_type: str = ""
-
-    def encode(self) -> bytes:
-        return json.dumps({"group_type": self.group_type, "protocol_type": self.protocol_type}).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> GroupKind:
-        d = json.loads(raw)
-        return cls(str(d["group_type"]), str(d.get("protocol_type") or ""))
 
 
 def _parse_offset_key(key: str) -> tuple[str, str, int] | None:

@@ -38,7 +38,7 @@ import json
 from collections import deque
 from dataclasses import dataclass
 
-from .errors import InvalidProducerEpoch, OutOfOrderSequenceNumber, UnknownProducerId
+from ..wire.errors import InvalidProducerEpoch, OutOfOrderSequenceNumber, UnknownProducerId
 
 PRODUCER_ID_KEY = "kafka/producer-ids"
 PRODUCER_STATE_PREFIX = "kafka/producer-state/"

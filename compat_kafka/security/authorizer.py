@@ -30,7 +30,9 @@ from typing import Any
 
 from kio.schema.errors import ErrorCode
 
-from . import codec, sasl
+from ..wire import codec
+from ..wire.codec import ZERO_MS, build, nested
+from . import sasl
 from .acls import (
     ANONYMOUS,
     CLUSTER_NAME,
@@ -42,7 +44,6 @@ from .acls import (
     ResourceType,
     principal_from_dn,
 )
-from .codec import ZERO_MS, build, nested
 
 log = logging.getLogger(__name__)
 

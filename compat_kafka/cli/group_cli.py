@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 
 import click
 
-from .client_security import KafkaClientConfig
-from .group_admin import AdminError, KafkaAdmin, parse_datetime_ms, parse_duration_ms
+from ..groups.group_admin import AdminError, KafkaAdmin, parse_datetime_ms, parse_duration_ms
+from ..security.client_security import KafkaClientConfig
 
 bootstrap_option = click.option("--bootstrap", "--bootstrap-server", "bootstrap", envvar="SCROLL_KAFKA_BOOTSTRAP",
                                 default="127.0.0.1:9092", show_default=True,

@@ -7,8 +7,8 @@ import asyncio
 
 import click
 
-from .acls import AclBinding, AclFilter, InvalidAcl, Operation, PatternType, Permission, ResourceType
-from .authorizer import Authorizer
+from ..security.acls import AclBinding, AclFilter, InvalidAcl, Operation, PatternType, Permission, ResourceType
+from ..security.authorizer import Authorizer
 
 _TYPES = {"topic": ResourceType.TOPIC, "group": ResourceType.GROUP, "cluster": ResourceType.CLUSTER,
           "transactional-id": ResourceType.TRANSACTIONAL_ID}

@@ -85,8 +85,8 @@ from kio.schema.errors import ErrorCode
 
 from streams.batches import ATTR_CONTROL, OFF_ATTRIBUTES, OFF_CRC
 
-from . import codec
-from .codec import (
+from ..wire import codec
+from ..wire.codec import (
     API_ADD_OFFSETS_TO_TXN,
     API_ADD_PARTITIONS_TO_TXN,
     API_DESCRIBE_TRANSACTIONS,
@@ -98,7 +98,7 @@ from .codec import (
     build,
     nested,
 )
-from .errors import (
+from ..wire.errors import (
     InvalidProducerEpoch,
     InvalidRequest,
     KafkaError,
@@ -850,7 +850,7 @@ class TransactionCoordinator:
         return out
 
     async def _settle_offsets(self, meta: TxnMeta, commit: bool) -> None:
-        from .groups import Committed
+        from ..groups.records import Committed
 
         for group in sorted(meta.groups):
             key = txn_offsets_key(meta.transactional_id, group)
@@ -1025,7 +1025,7 @@ class TransactionCoordinator:
         transaction-log partitions; clients ask every broker and merge."""
         import re
 
-        from .ownership import TXN_COORDINATORS
+        from ..cluster.ownership import TXN_COORDINATORS
 
         state_cls = nested(resp_cls, "TransactionState")
         wanted = set(req.state_filters)
@@ -1144,12 +1144,12 @@ class TransactionCoordinator:
 
 
 def coordinator_key_of(txn_id: str) -> str:
-    from .ownership import coordinator_key
+    from ..cluster.ownership import coordinator_key
 
     return coordinator_key(1, txn_id)
 
 
 def partition_key_of(topic: str, index: int) -> str:
-    from .ownership import partition_key
+    from ..cluster.ownership import partition_key
 
     return partition_key(topic, index)

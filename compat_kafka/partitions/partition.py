@@ -75,10 +75,10 @@ from streams.offsets import next_batch, search_timestamp
 from streams.producer import Producer
 from streams.topics import partition_stream
 
-from .batches import Batch, increment_sequence
-from .errors import InvalidProducerEpoch, NotLeaderOrFollower, OffsetOutOfRange, OutOfOrderSequenceNumber
-from .producer_ids import BatchRecord, ProducerStateTable, StateSnapshot, in_sequence, state_key
-from .transactions import PartitionTxns, TransactionCoordinatorFenced, control_batch, parse_marker
+from ..transactions.coordinator import PartitionTxns, TransactionCoordinatorFenced, control_batch, parse_marker
+from ..transactions.producer_ids import BatchRecord, ProducerStateTable, StateSnapshot, in_sequence, state_key
+from ..wire.batches import Batch, increment_sequence
+from ..wire.errors import InvalidProducerEpoch, NotLeaderOrFollower, OffsetOutOfRange, OutOfOrderSequenceNumber
 
 log = logging.getLogger(__name__)
 
