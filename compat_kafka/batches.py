@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 import crc32c
+from aiokafka.record.default_records import DefaultRecordBatch
 
 from streams.batches import (
     ATTR_CONTROL,
@@ -97,3 +98,13 @@ def split_batches(records: bytes, max_batches: int = 10_000) -> list[Batch]:
             raise CorruptMessage(f"more than {max_batches} record batches in one partition's records")
         pos = end
     return out
+
+
+def keyless_records(batch: Batch) -> list[int]:
+    """The indexes (in the batch, from 0) of the records without a key: a compacted topic refuses
+    them. This decodes the batch (aiokafka's C parser, decompressing if need be), so it runs only on
+    the produce path of compacted topics. Raises CorruptMessage for records that do not parse."""
+    try:
+        return [i for i, r in enumerate(DefaultRecordBatch(bytes(batch.raw))) if r.key is None]
+    except Exception as exc:  # the C parser raises CorruptRecordException / ValueError / struct.error
+        raise CorruptMessage(f"malformed records in a record batch: {exc!r}") from None
