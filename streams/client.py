@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from bookie.runtime import tune_malloc
 from fragments.compaction import POLICY_KEYS as COMPACTION_KEYS
-from fragments.compaction import CompactionPolicy, InvalidCompactionPolicy
+from fragments.compaction import CompactionPolicy, InvalidCompactionPolicy, normalise_cleanup_policy
 from fragments.ledgers import LedgerExists, NoSuchLedger
 from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
@@ -143,6 +143,8 @@ class ScrollClient:
         configs = {str(k): str(v) for k, v in (configs or {}).items()}
         if configs:
             try:
+                if "cleanup.policy" in configs:
+                    configs["cleanup.policy"] = normalise_cleanup_policy(configs["cleanup.policy"])
                 acting = retention_policy(configs)
                 if any(k in configs for k in SEGMENT_KEYS):
                     seg_bytes, seg_age = rollover_caps(configs)
@@ -213,6 +215,66 @@ class ScrollClient:
             if await self.cluster.store.cas(topic_key(name), new.encode(), v.version) is not None:
                 return new
         raise ScrollError(f"topic {name!r}: the record kept changing; try again")
+
+    async def alter_topic_configs(self, name: str, set_configs: dict[str, str] | None = None,
+                                  delete: list[str] | tuple[str, ...] = ()) -> TopicMeta:
+        """Change a topic's configs (``set_configs`` set, ``delete`` removed) and apply the ones that
+        act to every partition stream: retention and compaction policy (``LedgerMeta.retention``)
+        and, when segment.* / max.compaction.lag.ms / cleanup.policy changed, the rollover caps
+        (``LedgerConfig``; a live writer takes them within ``driver.CAPS_REFRESH_S`` while active).
+        The Kafka listener's AlterConfigs does the same with Kafka's own checks."""
+        set_configs = {str(k): str(v) for k, v in (set_configs or {}).items()}
+        if "cleanup.policy" in set_configs:
+            try:
+                set_configs["cleanup.policy"] = normalise_cleanup_policy(set_configs["cleanup.policy"])
+            except InvalidCompactionPolicy as exc:
+                raise InvalidArgument(str(exc)) from exc
+        cur = await self.describe_topic(name)
+        if await self.cluster.store.get(topic_key(name)) is None:  # a stream created alone: give it a record
+            await self.cluster.store.create(topic_key(name), cur.encode())
+        old: dict[str, str] = {}
+
+        def change(t: TopicMeta) -> TopicMeta:
+            old.clear()
+            old.update(t.configs)
+            new = {k: v for k, v in {**t.configs, **set_configs}.items() if k not in delete}
+            try:
+                retention_policy(new)
+                rollover_caps(new)
+            except ValueError as exc:
+                raise InvalidArgument(f"topic configs {new}: {exc}") from exc
+            return TopicMeta(t.name, t.partitions, t.topic_id, new)
+
+        meta = await self.update_topic(name, change)
+        caps = any(old.get(k) != meta.configs.get(k) for k in SEGMENT_KEYS)
+        for s in meta.streams():
+            await self._apply_configs(s, meta.configs, caps)
+        return meta
+
+    async def _apply_configs(self, stream: str, configs: dict[str, str], caps: bool) -> None:
+        policy = retention_policy(configs)
+        seg_bytes, seg_age = rollover_caps(configs)
+        ledgers = self.cluster.ledgers
+        for _ in range(50):
+            try:
+                meta, version = await ledgers.get_ledger(stream)
+            except NoSuchLedger:
+                raise NoSuchStream(f"no stream named {stream!r}") from None
+            retention = {k: v for k, v in meta.retention.items() if k not in RETENTION_KEYS}
+            retention.update(policy)
+            config = meta.config
+            if caps:
+                try:
+                    config = config.with_caps(LedgerConfig(fragment_bytes_max=seg_bytes,
+                                                           fragment_entries_max=config.fragment_entries_max,
+                                                           fragment_age_max_ms=seg_age))
+                except InvalidConfig as exc:
+                    raise InvalidArgument(str(exc)) from exc
+            if retention == meta.retention and config == meta.config:
+                return
+            if await ledgers.cas_ledger(meta.with_(retention=retention, config=config), (), version) is not None:
+                return
+        raise ScrollError(f"stream {stream!r}: its record kept changing; try again")
 
     async def add_partitions(self, name: str, total: int) -> TopicMeta:
         """Grow a topic to ``total`` partitions (partitions never shrink)."""
