@@ -5,15 +5,28 @@ How this works. A topic's configs are the ``configs`` map of its topic record
 CreateTopics and the alter APIs with ``ScrollClient.update_topic``, a compare-and-set that keeps
 every other field of the record as it is; a stream created alone gets its record on the first
 alter). Names are checked against
-Kafka's topic config names and values against their type; an unknown name or a bad value is
-INVALID_CONFIG and nothing is written. Two settings take effect, the others are stored and reported:
+Kafka's topic config names and values against their type and Kafka's ranges; an unknown name or a
+bad value is INVALID_CONFIG and nothing is written. These settings take effect, the others are
+stored and reported:
 
 - ``retention.ms`` / ``retention.bytes`` become the retention policy of every partition's stream
   (``LedgerMeta.retention`` keys ``max_age_s`` / ``max_bytes``; -1 removes the key), written with a
-  CAS on the stream's meta record that changes only its ``retention`` field, which the retention job
-  honours. ``retention.bytes`` is per partition, as in Kafka.
-- ``cleanup.policy`` must be ``delete`` (compaction is not built), ``message.timestamp.type`` must be
-  ``CreateTime`` (batches are stored as the producer sent them).
+  CAS on the stream's meta record that changes only its ``retention`` and rollover caps, which the
+  retention job honours. ``retention.bytes`` is per partition, as in Kafka.
+- ``cleanup.policy`` (``delete``, ``compact`` or both, any order; stored as ``delete``, ``compact``
+  or ``compact,delete``), ``min.compaction.lag.ms``, ``max.compaction.lag.ms``,
+  ``min.cleanable.dirty.ratio`` and ``delete.retention.ms`` become the stream's compaction policy
+  (``fragments/compaction.py``: the ``LedgerMeta.retention`` keys of the same names with ``_``; only
+  values other than Kafka's defaults are written). A ``compact`` topic refuses records without a
+  key (``broker.py``), and retention by age or size applies only to topics whose policy includes
+  ``delete``.
+- ``segment.bytes`` (at least ``MIN_SEGMENT_BYTES``) and ``segment.ms`` become the rollover caps of
+  each stream (``LedgerConfig.fragment_bytes_max`` / ``fragment_age_max_ms``); a ``compact`` topic's
+  age cap is min(segment.ms, max.compaction.lag.ms) (Kafka rolls the active segment for
+  max.compaction.lag.ms too, KIP-354). Caps are written only when one of these configs changed; a
+  live writer takes them within ``streams.driver.CAPS_REFRESH_S`` while active (at its next
+  metadata write in any case), a new writer at once.
+- ``message.timestamp.type`` must be ``CreateTime`` (batches are stored as the producer sent them).
 
 DescribeConfigs answers a topic's stored configs (source DYNAMIC_TOPIC_CONFIG) over the defaults
 (DEFAULT_CONFIG: no retention limit, as a stream has none unless asked), and the broker resource's
@@ -34,9 +47,27 @@ from collections.abc import Callable
 
 from kio.schema.errors import ErrorCode
 
+from fragments.compaction import (
+    DEFAULT_DELETE_RETENTION_MS,
+    DEFAULT_DIRTY_RATIO,
+    KAFKA_LONG_MAX,
+    InvalidCompactionPolicy,
+    normalise_cleanup_policy,
+)
 from fragments.ledgers import NoSuchLedger
+from fragments.model import LedgerConfig
 from streams.errors import NoSuchTopic
-from streams.topics import TopicMeta, partition_stream, topic_key
+from streams.topics import (  # noqa: F401 - compaction_policy is part of this module's interface
+    DEFAULT_SEGMENT_BYTES,
+    RETENTION_KEYS,
+    SEGMENT_KEYS,
+    TopicMeta,
+    compaction_policy,
+    partition_stream,
+    retention_policy,
+    rollover_caps,
+    topic_key,
+)
 
 from .wire import codec
 from .wire.codec import ZERO_MS, build, nested
@@ -126,6 +157,17 @@ TOPIC_CONFIG_TYPES: dict[str, int] = {
     "segment.ms": T_LONG, "unclean.leader.election.enable": T_BOOLEAN,
 }
 _COMPRESSION = {"producer", "uncompressed", "gzip", "snappy", "lz4", "zstd"}
+# Kafka's own floor for segment.bytes is 14 bytes (1 MiB since Kafka 4.0): a fragment must hold at
+# least one entry of up to 1 MiB, and a fragment per batch would only churn metadata, so 1 MiB here.
+MIN_SEGMENT_BYTES = 1 << 20
+_INT_MAX = 2**31 - 1
+_LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
+# Kafka's ranges: name -> (lowest, highest) (None: no bound)
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "min.compaction.lag.ms": (0, None), "max.compaction.lag.ms": (1, None),
+    "min.cleanable.dirty.ratio": (0, 1), "delete.retention.ms": (0, None),
+    "segment.bytes": (MIN_SEGMENT_BYTES, None), "segment.ms": (1, None),
+}
 
 
 def check_topic_configs(configs: dict[str, str | None]) -> dict[str, str]:
@@ -139,17 +181,31 @@ def check_topic_configs(configs: dict[str, str | None]) -> dict[str, str]:
             raise InvalidConfig(f"unknown topic config {name!r}")
         try:
             if kind in (T_INT, T_LONG, T_SHORT):
-                int(value)
+                n = int(value)
+                lo, hi = (-(2**31), _INT_MAX) if kind == T_INT else (_LONG_MIN, _LONG_MAX)
+                if not lo <= n <= hi:
+                    raise ValueError(value)
             elif kind == T_DOUBLE:
-                float(value)
+                n = float(value)
+                if n != n:
+                    raise ValueError(value)
             elif kind == T_BOOLEAN and value.lower() not in ("true", "false"):
                 raise ValueError(value)
         except ValueError:
             raise InvalidConfig(f"config {name}: {value!r} is not a valid {_TYPE_NAMES[kind]}") from None
+        if name in _RANGES:
+            lo, hi = _RANGES[name]
+            if (lo is not None and n < lo) or (hi is not None and n > hi):
+                bound = f"in [{lo}, {hi}]" if hi is not None else f"at least {lo}"
+                raise InvalidConfig(f"Invalid value {value} for configuration {name}: Value must be {bound}")
         if name in ("retention.ms", "retention.bytes") and int(value) < -1:
             raise InvalidConfig(f"config {name} must be -1 (no limit) or >= 0, not {value}")
-        if name == "cleanup.policy" and {v.strip() for v in value.split(",")} != {"delete"}:
-            raise InvalidConfig(f"cleanup.policy {value!r}: only 'delete' is supported (no compaction)")
+        if name == "cleanup.policy":
+            try:
+                value = normalise_cleanup_policy(value)
+            except InvalidCompactionPolicy:
+                raise InvalidConfig(f"Invalid value {value} for configuration cleanup.policy: String must be one "
+                                    f"of: compact, delete") from None
         if name == "message.timestamp.type" and value != "CreateTime":
             raise InvalidConfig("message.timestamp.type: only CreateTime is supported")
         if name == "compression.type" and value not in _COMPRESSION:
@@ -157,6 +213,10 @@ def check_topic_configs(configs: dict[str, str | None]) -> dict[str, str]:
         if name == "max.message.bytes" and int(value) < 0:
             raise InvalidConfig("max.message.bytes must be >= 0")
         out[name] = value
+    lo, hi = out.get("min.compaction.lag.ms"), out.get("max.compaction.lag.ms")
+    if lo is not None and hi is not None and int(lo) > int(hi):
+        raise InvalidConfig(f"conflict topic configs: min.compaction.lag.ms ({lo}) must not be greater than "
+                            f"max.compaction.lag.ms ({hi})")
     return out
 
 
@@ -211,16 +271,8 @@ def check_broker_configs(configs: dict[str, str | None], max_partitions: int, st
     return out
 
 
-def retention_policy(configs: dict[str, str]) -> dict:
-    """The stream retention keys the topic configs ask for ({} for no limit)."""
-    out: dict = {}
-    ms = int(configs.get("retention.ms", "-1"))
-    nbytes = int(configs.get("retention.bytes", "-1"))
-    if ms >= 0:
-        out["max_age_s"] = ms / 1000
-    if nbytes >= 0:
-        out["max_bytes"] = nbytes
-    return out
+def caps_changed(old: dict[str, str], new: dict[str, str]) -> bool:
+    return any(old.get(k) != new.get(k) for k in SEGMENT_KEYS)
 
 
 class Admin:
@@ -399,9 +451,12 @@ class Admin:
         except NoSuchTopic:
             raise UnknownTopicOrPartition(f"unknown topic {name!r}") from None
 
-    async def apply_retention(self, topic: str, partitions: range | list[int], configs: dict[str, str]) -> None:
-        """Write the topic's retention policy into each partition stream's meta (CAS on ``retention`` only)."""
+    async def apply_retention(self, topic: str, partitions: range | list[int], configs: dict[str, str],
+                              caps: bool = False) -> None:
+        """Write the topic's retention and compaction policy into each partition stream's meta (CAS
+        on ``retention`` only; ``caps``: also the rollover caps of its config, see ``rollover_caps``)."""
         policy = retention_policy(configs)
+        fragment_bytes, fragment_age = rollover_caps(configs)
         ledgers = self.client.cluster.ledgers
         for p in partitions:
             stream = partition_stream(topic, p)
@@ -411,12 +466,21 @@ class Admin:
                 except NoSuchLedger:
                     log.warning("topic=%s: no stream %s to set retention on", topic, stream)
                     break
-                retention = {k: v for k, v in meta.retention.items() if k not in ("max_age_s", "max_bytes")}
+                retention = {k: v for k, v in meta.retention.items() if k not in RETENTION_KEYS}
                 retention.update(policy)
-                if retention == meta.retention:
+                config = meta.config
+                if caps:
+                    try:
+                        config = meta.config.with_caps(LedgerConfig(
+                            fragment_bytes_max=fragment_bytes, fragment_entries_max=meta.config.fragment_entries_max,
+                            fragment_age_max_ms=fragment_age))
+                    except ValueError as exc:
+                        raise InvalidConfig(str(exc)) from None
+                if retention == meta.retention and config == meta.config:
                     break
-                if await ledgers.cas_ledger(meta.with_(retention=retention), (), version) is not None:
-                    log.info("stream=%s retention %s", stream, retention)
+                if await ledgers.cas_ledger(meta.with_(retention=retention, config=config), (), version) is not None:
+                    log.info("stream=%s retention %s caps bytes=%s age_ms=%s", stream, retention,
+                             config.fragment_bytes_max, config.fragment_age_max_ms)
                     break
             else:
                 raise PolicyViolation(f"stream {stream}: retention not set (its meta kept changing)")
@@ -427,6 +491,12 @@ class Admin:
         max_msg = getattr(self.client.cluster, "max_entry_bytes", 1 << 20) - ENTRY_OVERHEAD
         return {
             "cleanup.policy": ("delete", T_LIST),
+            "min.compaction.lag.ms": ("0", T_LONG),
+            "max.compaction.lag.ms": (str(KAFKA_LONG_MAX), T_LONG),
+            "min.cleanable.dirty.ratio": (str(DEFAULT_DIRTY_RATIO), T_DOUBLE),
+            "delete.retention.ms": (str(DEFAULT_DELETE_RETENTION_MS), T_LONG),
+            "segment.bytes": (str(DEFAULT_SEGMENT_BYTES), T_INT),
+            "segment.ms": (str(KAFKA_LONG_MAX), T_LONG),  # no age cap unless set (Kafka's is 7 days)
             "retention.ms": ("-1", T_LONG),
             "retention.bytes": ("-1", T_LONG),
             "max.message.bytes": (str(max_msg), T_INT),
@@ -452,6 +522,12 @@ class Admin:
             "log.retention.ms": ("-1", T_LONG),
             "log.retention.bytes": ("-1", T_LONG),
             "log.cleanup.policy": ("delete", T_LIST),
+            "log.cleaner.min.compaction.lag.ms": ("0", T_LONG),
+            "log.cleaner.max.compaction.lag.ms": (str(KAFKA_LONG_MAX), T_LONG),
+            "log.cleaner.min.cleanable.ratio": (str(DEFAULT_DIRTY_RATIO), T_DOUBLE),
+            "log.cleaner.delete.retention.ms": (str(DEFAULT_DELETE_RETENTION_MS), T_LONG),
+            "log.segment.bytes": (str(DEFAULT_SEGMENT_BYTES), T_INT),
+            "log.roll.ms": (str(KAFKA_LONG_MAX), T_LONG),
         }
         if g is not None:
             out.update({
@@ -522,12 +598,18 @@ class Admin:
     # ------------------------------------------------------------ AlterConfigs / IncrementalAlterConfigs
     async def _alter_topic(self, name: str, edit: Callable[[dict[str, str]], dict[str, str]],
                            validate_only: bool) -> None:
+        old: dict[str, str] = {}
+
         def change(t: TopicMeta) -> TopicMeta:
+            old.clear()
+            old.update(t.configs)
             return TopicMeta(t.name, t.partitions, t.topic_id, check_topic_configs(edit(dict(t.configs))))
 
         new = await self._update_topic(name, change, validate_only)
         if not validate_only:
-            await self.apply_retention(name, range(new.partitions), await self.topic_configs_in_force(new.configs))
+            self.broker.topic_configs_changed(name)
+            await self.apply_retention(name, range(new.partitions), await self.topic_configs_in_force(new.configs),
+                                       caps=caps_changed(old, dict(new.configs)))
 
     async def _alter(self, req, resp_cls, edit_for):
         result_cls = nested(resp_cls, "AlterConfigsResourceResponse")
@@ -600,7 +682,8 @@ class Admin:
             return
         # streams first (leftovers reused), then the record's count: never a partition without a stream
         grown = await self.client.add_partitions(name, count)
-        await self.apply_retention(name, range(current, grown.partitions), dict(grown.configs))
+        await self.apply_retention(name, range(current, grown.partitions), dict(grown.configs),
+                                   caps=any(k in grown.configs for k in SEGMENT_KEYS))
         log.info("topic=%s grown from %d to %d partitions", name, current, grown.partitions)
 
     async def create_partitions(self, req, resp_cls):

@@ -31,15 +31,17 @@ import contextlib
 import functools
 import itertools
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from kio.schema.errors import ErrorCode
 
+from fragments.ledgers import NoSuchLedger
 from streams.errors import NoSuchTopic, StaleTermError, TopicExists
-from streams.topics import InvalidTopicName, TopicMeta, check_topic_name
+from streams.topics import InvalidTopicName, TopicMeta, check_topic_name, partition_stream
 
-from .admin import REPLICATION_FACTOR, Admin, check_topic_configs, retention_policy
+from .admin import REPLICATION_FACTOR, SEGMENT_KEYS, Admin, check_topic_configs, retention_policy, rollover_caps
 from .cluster.interbroker import BROKER_PRINCIPAL, InterBrokerClient, ensure_identity
 from .cluster.ownership import BROKERS as OWNERSHIP_BROKERS
 from .cluster.ownership import OWNERS, Ownership, coordinator_key, parse_partition_key, partition_key, preferred
@@ -51,12 +53,13 @@ from .transactions.coordinator import TransactionCoordinator, TxnConfig
 from .transactions.coordinator import error_code as txn_error_code
 from .transactions.producer_ids import PRODUCER_STATE_PREFIX, ProducerIdAllocator
 from .wire import codec
-from .wire.batches import downconvert, split_batches, upconvert
+from .wire.batches import downconvert, keyless_records, split_batches, upconvert
 from .wire.codec import ZERO_MS, build, nested
 from .wire.errors import (
     CorruptMessage,
     DropConnection,
     InvalidPartitions,
+    InvalidRecord,
     InvalidRequest,
     InvalidRequiredAcks,
     InvalidTopic,
@@ -73,6 +76,9 @@ log = logging.getLogger(__name__)
 _REFRESH_SOME = "some"  # see Broker._caught_up_now
 SNAPSHOT_CONCURRENCY = 32  # producer-state snapshot writes in flight at once
 TOPIC_FOR_OPEN_S = 1.0  # partitions opened within this long of each other share one read of their topic
+# How old this listener's knowledge of a topic's cleanup.policy may get (a produce to a compacted topic
+# decodes its batches to refuse records without a key; an alter on this listener applies at once)
+CLEANUP_POLICY_TTL_S = 2.0
 
 # kio resolves a schema through importlib on every call (~3% of the shim's CPU under produce load)
 _response_schema = functools.lru_cache(maxsize=None)(codec.response_schema)
@@ -158,6 +164,7 @@ class Broker:
         self._opening: dict[tuple[str, int], asyncio.Future] = {}
         self._open_slots = asyncio.Semaphore(self.config.max_concurrent_opens)
         self._topic_reads: dict[str, tuple[float, asyncio.Future]] = {}  # see _topic_for_open
+        self._compacted: dict[str, tuple[float, bool]] = {}  # topic -> (loop time read, compact?)
         self._snapshotter: asyncio.Task | None = None  # one for all partitions (see _snapshot_loop)
         self._snapshot_candidates: set[PartitionLog] = set()  # appended to (or opened) since its last round
         self._snapshot_wanted = asyncio.Event()
@@ -298,19 +305,59 @@ class Broker:
         c = self.config
         try:
             # partition streams left over by an interrupted create or delete are reused
+            fragment_bytes, fragment_age = rollover_caps(configs)
             meta = await self.client.create_topic(name, partitions, configs, ensemble=c.ensemble,
                                                   write_quorum=c.write_quorum, ack_quorum=c.ack_quorum,
+                                                  fragment_bytes_max=fragment_bytes, fragment_age_max_ms=fragment_age,
                                                   retention=retention_policy(configs) or None, reuse_streams=True)
         except TopicExists as exc:
             raise TopicAlreadyExists(str(exc)) from None
         # reused streams too; the broker's log.retention.* where the topic sets none
-        await self.admin.apply_retention(name, range(partitions), await self.admin.topic_configs_in_force(configs))
+        await self.admin.apply_retention(name, range(partitions), await self.admin.topic_configs_in_force(configs),
+                                         caps=any(k in configs for k in SEGMENT_KEYS))
         self._topic_reads.pop(name, None)
+        self.topic_configs_changed(name)
         log.info("topic=%s created with %d partitions", name, partitions)
         return meta
 
+    def topic_configs_changed(self, name: str) -> None:
+        """A topic's configs changed here (created, altered, deleted): forget what was cached of them."""
+        self._compacted.pop(name, None)
+
+    async def compacted(self, topic: str) -> bool:
+        """Whether the topic's cleanup.policy includes compact, as its streams' compaction policy
+        says (partition 0's: every partition has the topic's; a stream created alone has its own),
+        read at most every ``CLEANUP_POLICY_TTL_S``."""
+        now = asyncio.get_running_loop().time()
+        got = self._compacted.get(topic)
+        if got is not None and now - got[0] < CLEANUP_POLICY_TTL_S:
+            return got[1]
+        try:
+            meta, _ = await self.client.cluster.ledgers.get_ledger(partition_stream(topic, 0))
+            compact = "compact" in str(meta.retention.get("cleanup_policy", "delete")).split(",")
+        except NoSuchLedger:
+            compact = False
+        if len(self._compacted) > 4096:
+            self._compacted.clear()
+        self._compacted[topic] = (now, compact)
+        return compact
+
+    @staticmethod
+    def _check_keys(topic: str, index: int, batches) -> None:
+        """A compacted topic refuses records without a key (as Kafka: INVALID_RECORD, the whole
+        partition's records, with record_errors naming each one)."""
+        errors = []
+        for b in batches:
+            errors.extend(keyless_records(b))
+        if errors:
+            msg = f"Compacted topic cannot accept message without key in topic partition {topic}-{index}."
+            exc = InvalidRecord(msg)
+            exc.record_errors = [(i, msg) for i in errors]
+            raise exc
+
     async def delete_topic(self, meta: TopicMeta) -> None:
         self._topic_reads.pop(meta.name, None)
+        self.topic_configs_changed(meta.name)
         for p in range(meta.partitions):
             plog = self._logs.pop((meta.name, p), None)
             if plog is not None:
@@ -673,6 +720,8 @@ class Broker:
                     if req.acks not in (-1, 0, 1):
                         raise InvalidRequiredAcks(f"acks must be -1, 0 or 1, not {req.acks}")
                     batches = split_batches(upconvert(p.records or b"") if old else p.records or b"")
+                    if batches and await self.compacted(t.name):
+                        self._check_keys(t.name, p.index, batches)
                     idempotent = idempotent or any(b.producer_id >= 0 for b in batches)
                     plog = opened.pop((t.name, p.index), None)
                     if isinstance(plog, Exception):
@@ -697,11 +746,16 @@ class Broker:
         if req.acks == 0:
             return None
         by_topic: dict[str, list] = {}
+        err_cls = getattr(sys.modules[resp_cls.__module__], "BatchIndexAndErrorMessage", None)  # v8+
         for name, index in order:
             exc, base, log_start = results[(name, index)]
+            record_errors = ()
+            if err_cls is not None and getattr(exc, "record_errors", None):
+                record_errors = tuple(err_cls(batch_index=i, batch_index_error_message=m)
+                                      for i, m in exc.record_errors)
             by_topic.setdefault(name, []).append(build(
                 part_resp_cls, index=index, error_code=code_for(exc) if exc else ErrorCode.none, base_offset=base,
-                log_append_time=None, log_start_offset=log_start, record_errors=(),
+                log_append_time=None, log_start_offset=log_start, record_errors=record_errors,
                 error_message=str(exc) if exc else None))
         return build(resp_cls, throttle_time=ZERO_MS, responses=tuple(
             topic_resp_cls(name=n, partition_responses=tuple(ps)) for n, ps in by_topic.items()))

@@ -35,6 +35,10 @@ class LedgerConfig:
     ack_quorum: int = 2
     fragment_bytes_max: int = 64 * 1024 * 1024
     fragment_entries_max: int = 1_000_000
+    # Roll the open fragment over once its first entry (appended by the current writer) is this
+    # old, even if it is not full (Kafka's segment.ms; for a compacted topic also
+    # max.compaction.lag.ms, KIP-354). None: no age limit. A fragment with no entry never rolls.
+    fragment_age_max_ms: int | None = None
 
     def __post_init__(self) -> None:
         e, wq, aq = self.ensemble_size, self.write_quorum, self.ack_quorum
@@ -46,6 +50,21 @@ class LedgerConfig:
             )
         if self.fragment_bytes_max < 1 or self.fragment_entries_max < 1:
             raise InvalidConfig("fragment caps must be positive")
+        age = self.fragment_age_max_ms
+        if age is not None and (not isinstance(age, int) or isinstance(age, bool) or age < 1):
+            raise InvalidConfig(f"fragment_age_max_ms must be None or an integer >= 1, got {age!r}")
+
+    def same_quorums(self, other: LedgerConfig) -> bool:
+        """Whether ``other`` differs from this config at most in the rollover caps (which may change
+        while a writer is live; the ensemble and quorums may not)."""
+        return (self.ensemble_size, self.write_quorum, self.ack_quorum) == (
+            other.ensemble_size, other.write_quorum, other.ack_quorum)
+
+    def with_caps(self, other: LedgerConfig) -> LedgerConfig:
+        """This config with ``other``'s rollover caps."""
+        return replace(self, fragment_bytes_max=other.fragment_bytes_max,
+                       fragment_entries_max=other.fragment_entries_max,
+                       fragment_age_max_ms=other.fragment_age_max_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +144,8 @@ class LedgerMeta:
     def to_json(self) -> str:
         d = asdict(self)
         d["status"] = self.status.value
+        if d["config"].get("fragment_age_max_ms") is None:  # no age cap: the record stays as it was
+            d["config"].pop("fragment_age_max_ms", None)
         return json.dumps(d, sort_keys=True)
 
     @classmethod

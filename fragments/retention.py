@@ -18,6 +18,10 @@ A fragment can go only if
 * it is sealed and is not the last fragment (the open fragment, or a CLOSED ledger's last one, is
   never removed: a writer and the LAC always have somewhere to live);
 * at least one of ``max_age_s``, ``max_bytes``, ``keep_from`` is set (no policy: keep everything);
+  ``max_age_s`` and ``max_bytes`` count only when the stream's ``cleanup_policy`` (the compaction
+  key of ``fragments/compaction.py``) includes ``delete``: a ``compact`` stream keeps its records
+  until compaction supersedes them, as Kafka applies retention.ms/bytes to ``delete`` topics only
+  (``compact,delete`` applies both; ``keep_from``, DeleteRecords, applies always);
 * **some configured limit lets all of its records go** — each limit names the records it keeps:
 
   - ``keep_from``: records at offsets >= keep_from (a fragment goes once the next fragment's
@@ -45,6 +49,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .compaction import InvalidCompactionPolicy, normalise_cleanup_policy
 from .model import Fragment
 
 POLICY_KEYS = ("max_age_s", "max_bytes", "keep_from", "respect_consumers")
@@ -61,6 +66,9 @@ class Policy:
     max_bytes: int | None = None
     keep_from: int | None = None
     respect_consumers: bool = True
+    # whether max_age_s / max_bytes apply: the stream's cleanup_policy includes "delete" (read from
+    # the compaction key by from_dict; not written by to_dict, the compaction policy owns the key)
+    delete: bool = True
 
     def __post_init__(self) -> None:
         if self.max_age_s is not None and (not isinstance(self.max_age_s, (int, float))
@@ -77,9 +85,13 @@ class Policy:
     @classmethod
     def from_dict(cls, d: Mapping | None) -> Policy:
         d = d or {}
+        try:
+            cleanup = normalise_cleanup_policy(d.get("cleanup_policy", "delete"))
+        except InvalidCompactionPolicy as exc:
+            raise InvalidPolicy(str(exc)) from None
         return cls(
             max_age_s=d.get("max_age_s"), max_bytes=d.get("max_bytes"), keep_from=d.get("keep_from"),
-            respect_consumers=d.get("respect_consumers", True),
+            respect_consumers=d.get("respect_consumers", True), delete="delete" in cleanup.split(","),
         )
 
     def to_dict(self) -> dict:
@@ -91,9 +103,26 @@ class Policy:
         return out
 
     @property
+    def age_s(self) -> float | None:
+        """``max_age_s`` if it applies (cleanup_policy includes delete)."""
+        return self.max_age_s if self.delete else None
+
+    @property
+    def size(self) -> int | None:
+        """``max_bytes`` if it applies (cleanup_policy includes delete)."""
+        return self.max_bytes if self.delete else None
+
+    @property
     def active(self) -> bool:
         """Whether any policy can remove something."""
-        return self.max_age_s is not None or self.max_bytes is not None or self.keep_from is not None
+        return self.age_s is not None or self.size is not None or self.keep_from is not None
+
+    @property
+    def inactive_reason(self) -> str:
+        """Why nothing can be removed (when not ``active``)."""
+        if not self.delete and (self.max_age_s is not None or self.max_bytes is not None):
+            return "cleanup_policy compact: max_age_s/max_bytes apply to delete streams only"
+        return "no retention policy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +205,7 @@ def _keeps(policy: Policy, f: Fragment, nxt: Fragment | None, bytes_after: int, 
     if not f.sealed:
         return "open fragment"
     if not policy.active:
-        return "no retention policy"
+        return policy.inactive_reason
     end = nxt.first_offset  # one past f's last record offset
     if end is not None and f.first_offset is not None and end <= f.first_offset:
         return _floor_reason(end, floors)  # no record in it: no limit keeps anything
@@ -185,15 +214,15 @@ def _keeps(policy: Policy, f: Fragment, nxt: Fragment | None, bytes_after: int, 
         if end is not None and end <= policy.keep_from:
             return _floor_reason(end, floors)
         held.append(f"keep_from {policy.keep_from}" + (": offsets unknown" if end is None else ""))
-    if policy.max_bytes is not None:
-        if bytes_after >= policy.max_bytes:
+    if policy.size is not None:
+        if bytes_after >= policy.size:
             return _floor_reason(end, floors)
-        held.append(f"max_bytes {policy.max_bytes}")
-    if policy.max_age_s is not None:
+        held.append(f"max_bytes {policy.size}")
+    if policy.age_s is not None:
         ts = stamps.get(f.index)
-        if ts is not None and ts <= now_ms - policy.max_age_s * 1000:
+        if ts is not None and ts <= now_ms - policy.age_s * 1000:
             return _floor_reason(end, floors)
-        held.append("max_age_s: age unknown" if ts is None else f"max_age_s {policy.max_age_s:g}")
+        held.append("max_age_s: age unknown" if ts is None else f"max_age_s {policy.age_s:g}")
     return "; ".join(held)
 
 

@@ -21,7 +21,8 @@ import uuid
 from dataclasses import dataclass
 
 from bookie.runtime import tune_malloc
-from fragments.compaction import DATA_LEDGER_PREFIX
+from fragments.compaction import DATA_LEDGER_PREFIX, CompactionPolicy, InvalidCompactionPolicy, normalise_cleanup_policy
+from fragments.compaction import POLICY_KEYS as COMPACTION_KEYS
 from fragments.ledgers import LedgerExists, NoSuchLedger
 from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
@@ -43,12 +44,16 @@ from .errors import (
 from .producer import Producer
 from .topics import (
     MAX_PARTITIONS,
+    RETENTION_KEYS,
+    SEGMENT_KEYS,
     TOPICS,
     InvalidTopicName,
     TopicMeta,
     TopicProducer,
     check_topic_name,
     partition_stream,
+    retention_policy,
+    rollover_caps,
     topic_key,
 )
 
@@ -83,32 +88,81 @@ class ScrollClient:
         fragment_bytes_max: int = 64 << 20,
         fragment_entries_max: int = 1_000_000,
         retention: dict | None = None,
+        *,
+        fragment_age_max_ms: int | None = None,
+        cleanup_policy: str | None = None,
+        min_compaction_lag_ms: int | None = None,
+        max_compaction_lag_ms: int | None = None,
+        min_cleanable_dirty_ratio: float | None = None,
+        delete_retention_ms: int | None = None,
     ) -> StreamInfo:
-        """A stream of its own: a one-partition topic of the same name (readable by Kafka clients)."""
+        """A stream of its own: a one-partition topic of the same name (readable by Kafka clients).
+
+        ``cleanup_policy`` ("delete", "compact" or "compact,delete") and the other compaction
+        settings (Kafka's, in its units; ``fragments.compaction.CompactionPolicy``) are stored in the
+        stream's retention policy; a ``compact`` stream refuses records without a key. A compact
+        stream's ``max_compaction_lag_ms`` also caps its fragments' age (with ``fragment_age_max_ms``,
+        Kafka's segment.ms: the open fragment rolls over once its first entry is that old)."""
+        given = dict(cleanup_policy=cleanup_policy, min_compaction_lag_ms=min_compaction_lag_ms,
+                     max_compaction_lag_ms=max_compaction_lag_ms, min_cleanable_dirty_ratio=min_cleanable_dirty_ratio,
+                     delete_retention_ms=delete_retention_ms)
+        given = {k: v for k, v in given.items() if v is not None}
+        if given:
+            try:
+                policy = CompactionPolicy.from_dict({**(retention or {}), **given})
+            except InvalidCompactionPolicy as exc:
+                raise InvalidArgument(str(exc)) from exc
+            retention = {k: v for k, v in (retention or {}).items() if k not in COMPACTION_KEYS}
+            retention.update(policy.to_dict())
+            if policy.compact and policy.max_compaction_lag_ms is not None:
+                fragment_age_max_ms = min(fragment_age_max_ms or policy.max_compaction_lag_ms,
+                                          policy.max_compaction_lag_ms)
         await self.create_topic(name, 1, ensemble=ensemble, write_quorum=write_quorum, ack_quorum=ack_quorum,
                                 fragment_bytes_max=fragment_bytes_max, fragment_entries_max=fragment_entries_max,
-                                retention=retention)
+                                fragment_age_max_ms=fragment_age_max_ms, retention=retention or None)
         return await self.describe_stream(name)
 
     async def create_topic(self, name: str, partitions: int = 1, configs: dict[str, str] | None = None, *,
                            ensemble: int = 3, write_quorum: int = 3, ack_quorum: int = 2,
                            fragment_bytes_max: int = 64 << 20, fragment_entries_max: int = 1_000_000,
+                           fragment_age_max_ms: int | None = None,
                            retention: dict | None = None, reuse_streams: bool = False) -> TopicMeta:
         """A topic of ``partitions`` streams (partition p is ``topics.partition_stream(name, p)``).
-        ``reuse_streams``: a partition stream left by an interrupted create is taken as is."""
+        ``reuse_streams``: a partition stream left by an interrupted create is taken as is.
+
+        ``configs``: Kafka topic configs, stored in the topic record; the ones that act
+        (``retention.ms``/``.bytes``, ``cleanup.policy`` and the compaction settings, ``segment.bytes``
+        / ``segment.ms``: ``topics.retention_policy`` / ``rollover_caps``) become each stream's
+        retention policy and rollover caps, over ``retention`` and the ``fragment_*`` arguments."""
         try:
             check_topic_name(name)
         except InvalidTopicName as exc:
             raise InvalidArgument(str(exc)) from exc
         if not 1 <= partitions <= MAX_PARTITIONS:
             raise InvalidArgument(f"partitions must be 1..{MAX_PARTITIONS}, not {partitions}")
+        configs = {str(k): str(v) for k, v in (configs or {}).items()}
+        if configs:
+            try:
+                if "cleanup.policy" in configs:
+                    configs["cleanup.policy"] = normalise_cleanup_policy(configs["cleanup.policy"])
+                acting = retention_policy(configs)
+                if any(k in configs for k in SEGMENT_KEYS):
+                    seg_bytes, seg_age = rollover_caps(configs)
+                    if "segment.bytes" in configs:
+                        fragment_bytes_max = seg_bytes
+                    if seg_age is not None:
+                        fragment_age_max_ms = seg_age
+            except ValueError as exc:  # not a number, or out of range (InvalidCompactionPolicy)
+                raise InvalidArgument(f"topic configs {configs}: {exc}") from exc
+            retention = {**{k: v for k, v in (retention or {}).items() if k not in RETENTION_KEYS}, **acting} or None
         try:
-            config = LedgerConfig(ensemble, write_quorum, ack_quorum, fragment_bytes_max, fragment_entries_max)
+            config = LedgerConfig(ensemble, write_quorum, ack_quorum, fragment_bytes_max, fragment_entries_max,
+                                  fragment_age_max_ms)
         except InvalidConfig as exc:
             raise InvalidArgument(str(exc)) from exc
         if await self.cluster.store.get(topic_key(name)) is not None:
             raise TopicExists(f"topic {name!r} already exists")
-        meta = TopicMeta(name, partitions, configs=dict(configs or {}))
+        meta = TopicMeta(name, partitions, configs=configs)
         for p in range(partitions):
             await self._create_partition_stream(partition_stream(name, p), config, retention, reuse_streams)
         if await self.cluster.store.create(topic_key(name), meta.encode()) is None:
@@ -161,6 +215,66 @@ class ScrollClient:
             if await self.cluster.store.cas(topic_key(name), new.encode(), v.version) is not None:
                 return new
         raise ScrollError(f"topic {name!r}: the record kept changing; try again")
+
+    async def alter_topic_configs(self, name: str, set_configs: dict[str, str] | None = None,
+                                  delete: list[str] | tuple[str, ...] = ()) -> TopicMeta:
+        """Change a topic's configs (``set_configs`` set, ``delete`` removed) and apply the ones that
+        act to every partition stream: retention and compaction policy (``LedgerMeta.retention``)
+        and, when segment.* / max.compaction.lag.ms / cleanup.policy changed, the rollover caps
+        (``LedgerConfig``; a live writer takes them within ``driver.CAPS_REFRESH_S`` while active).
+        The Kafka listener's AlterConfigs does the same with Kafka's own checks."""
+        set_configs = {str(k): str(v) for k, v in (set_configs or {}).items()}
+        if "cleanup.policy" in set_configs:
+            try:
+                set_configs["cleanup.policy"] = normalise_cleanup_policy(set_configs["cleanup.policy"])
+            except InvalidCompactionPolicy as exc:
+                raise InvalidArgument(str(exc)) from exc
+        cur = await self.describe_topic(name)
+        if await self.cluster.store.get(topic_key(name)) is None:  # a stream created alone: give it a record
+            await self.cluster.store.create(topic_key(name), cur.encode())
+        old: dict[str, str] = {}
+
+        def change(t: TopicMeta) -> TopicMeta:
+            old.clear()
+            old.update(t.configs)
+            new = {k: v for k, v in {**t.configs, **set_configs}.items() if k not in delete}
+            try:
+                retention_policy(new)
+                rollover_caps(new)
+            except ValueError as exc:
+                raise InvalidArgument(f"topic configs {new}: {exc}") from exc
+            return TopicMeta(t.name, t.partitions, t.topic_id, new)
+
+        meta = await self.update_topic(name, change)
+        caps = any(old.get(k) != meta.configs.get(k) for k in SEGMENT_KEYS)
+        for s in meta.streams():
+            await self._apply_configs(s, meta.configs, caps)
+        return meta
+
+    async def _apply_configs(self, stream: str, configs: dict[str, str], caps: bool) -> None:
+        policy = retention_policy(configs)
+        seg_bytes, seg_age = rollover_caps(configs)
+        ledgers = self.cluster.ledgers
+        for _ in range(50):
+            try:
+                meta, version = await ledgers.get_ledger(stream)
+            except NoSuchLedger:
+                raise NoSuchStream(f"no stream named {stream!r}") from None
+            retention = {k: v for k, v in meta.retention.items() if k not in RETENTION_KEYS}
+            retention.update(policy)
+            config = meta.config
+            if caps:
+                try:
+                    config = config.with_caps(LedgerConfig(fragment_bytes_max=seg_bytes,
+                                                           fragment_entries_max=config.fragment_entries_max,
+                                                           fragment_age_max_ms=seg_age))
+                except InvalidConfig as exc:
+                    raise InvalidArgument(str(exc)) from exc
+            if retention == meta.retention and config == meta.config:
+                return
+            if await ledgers.cas_ledger(meta.with_(retention=retention, config=config), (), version) is not None:
+                return
+        raise ScrollError(f"stream {stream!r}: its record kept changing; try again")
 
     async def add_partitions(self, name: str, total: int) -> TopicMeta:
         """Grow a topic to ``total`` partitions (partitions never shrink)."""

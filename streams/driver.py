@@ -15,6 +15,10 @@ tells the writer the time (``advance_clock``) before appends and answers. An idl
 pushed, nothing pending) has no timer at all. The view of the live bookies the writer places from
 is refreshed when there is activity and it is older than ``PLACEMENT_REFRESH_S`` (from the timer
 and from appends), or ``PLACEMENT_REFRESH_FAILED_S`` while a failed bookie waits for a replacement.
+With it, at most every ``CAPS_REFRESH_S``, the ledger record is read again and its rollover caps
+(a topic's segment.bytes / segment.ms changed by an admin) are handed to the writer
+(``LedgerWriter.update_caps``): a live writer honours a changed cap within about that long while
+it is active, and at its next metadata write in any case.
 
 Nothing protocol-related is decided here: every rule lives in ``terms``.
 """
@@ -53,6 +57,7 @@ log = logging.getLogger(__name__)
 
 PLACEMENT_REFRESH_S = 5.0  # how old the writer's view of the live bookies may get
 PLACEMENT_REFRESH_FAILED_S = 0.5  # ... while a failed bookie waits for a replacement
+CAPS_REFRESH_S = 30.0  # how old the writer's view of the ledger's rollover caps may get
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,7 @@ class WriterDriver:
         self._timer: asyncio.TimerHandle | None = None  # at most one: feeds Tick at next_deadline
         self._timer_at = 0.0
         self._placed_at = 0.0  # loop time of the last refresh of the live bookies
+        self._caps_at = 0.0  # loop time of the last read of the ledger's rollover caps
         self._refreshing = False
         self._stopped = False  # closed: no more ticks
         self._tasks: set[asyncio.Task] = set()
@@ -125,7 +131,7 @@ class WriterDriver:
             self.ledger_id = meta.ledger_id
             last = await self.ledgers.get_fragment(meta.ledger_id, meta.last_fragment_index)
             await self.cluster.refresh_bookies()
-            self._placed_at = self._now()
+            self._placed_at = self._caps_at = self._now()
             placement = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
             cfg = WriterConfig(
                 max_inflight_entries=self.options.max_inflight_entries,
@@ -469,6 +475,16 @@ class WriterDriver:
         if self.writer is not w or not w.engaged:
             return
         self._update_placement(w)
+        if self._now() - self._caps_at >= CAPS_REFRESH_S:
+            self._caps_at = self._now()
+            try:
+                meta, _ = await self.ledgers.get_ledger(w.ledger.ledger_id)
+            except Exception as exc:  # noqa: BLE001 - keep the caps we have; the next refresh retries
+                log.debug("stream=%s re-reading the ledger's caps failed: %r", self.name, exc)
+            else:
+                if self.writer is w and w.engaged and meta.term == w.term:
+                    w.advance_clock(self._now())
+                    self._execute(w.update_caps(meta.config))
         if w.failed:
             self._feed(w, Tick(self._now()))  # a replacement may be placeable now
 

@@ -55,6 +55,12 @@ class PayloadTooLarge(InvalidArgument):
     pass
 
 
+class KeyRequired(InvalidArgument, ValueError):
+    """A record without a key appended to a compacted stream (cleanup_policy includes compact):
+    compaction keeps the last record of each key, so a record without one cannot be kept (Kafka
+    refuses it too, INVALID_RECORD). Nothing was appended."""
+
+
 class AuthenticationFailed(ScrollError):
     """A bookie refused this client's credentials (no or a wrong token or client certificate, or
     TLS that does not match): pass ``security=ClientSecurity(...)`` to ``connect``. Not retriable."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .batches import COMPRESSION, OFF_LAST_DELTA, BatchBuilder, check_batch, normalise_headers, set_base_offset
 from .driver import ProducerOptions, WriterDriver
-from .errors import PayloadTooLarge
+from .errors import KeyRequired, PayloadTooLarge
 
 _I32 = struct.Struct(">i")
 _BATCH_OVERHEAD = 256  # batch header + one record's varints, with margin
@@ -76,6 +76,9 @@ class Producer:
         self._failure: BaseException | None = None
         self._space = asyncio.Event()
         driver.on_space.append(self._pump)
+        # a compacted stream refuses records without a key (its policy as of the take-over; a
+        # change of cleanup_policy applies to producers opened after it)
+        self._key_required = "compact" in str(driver.writer.ledger.retention.get("cleanup_policy", "delete")).split(",")
 
     # ---------------------------------------------------------------- facts
     @property
@@ -127,7 +130,15 @@ class Producer:
     async def append_many(self, records) -> list[int]:
         """Append many records and wait for all; returns their offsets in order. Each item is a
         value (bytes), a tuple ``(value, key, headers, timestamp_ms)`` (trailing items optional),
-        or a dict with those keys."""
+        or a dict with those keys. On a compacted stream every record needs a key: a record without
+        one raises ``KeyRequired`` before anything of the call is appended."""
+        if self._key_required:
+            records = list(records)
+            for r in records:
+                key = r.get("key") if isinstance(r, dict) else (r[1] if isinstance(r, tuple) and len(r) > 1 else None)
+                if key is None:
+                    raise KeyRequired(f"stream {self._driver.name!r} is compacted (cleanup_policy "
+                                      f"{self.meta.retention.get('cleanup_policy')}): every record needs a key")
         parts: list[tuple[asyncio.Future, int, int]] = []  # (batch future, first index, count)
         run: list = []  # consecutive plain values go through the fast path together
         for r in records:
@@ -156,6 +167,9 @@ class Producer:
         """The hot loop of ``append_many`` for plain values: the builder's append called directly,
         one timestamp for the call, a batch sealed whenever it fills."""
         limit = self._max_record
+        if self._key_required and values:
+            raise KeyRequired(f"stream {self._driver.name!r} is compacted (cleanup_policy "
+                              f"{self.meta.retention.get('cleanup_policy')}): every record needs a key")
         for v in values:
             if len(v) > limit:
                 raise PayloadTooLarge(f"record of {len(v)} bytes is over the {self.max_entry_bytes}-byte entry limit")
@@ -237,6 +251,9 @@ class Producer:
             raise self._failure
         if not isinstance(value, (bytes, bytearray, memoryview)) and value is not None:
             raise TypeError(f"record value must be bytes, not {type(value).__name__}")
+        if key is None and self._key_required:
+            raise KeyRequired(f"stream {self._driver.name!r} is compacted (cleanup_policy "
+                              f"{self.meta.retention.get('cleanup_policy')}): every record needs a key")
         if headers:
             headers = normalise_headers(headers)
         else:

@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 
 from aiokafka.partitioner import murmur2
 
+from fragments.compaction import DEFAULT_DELETE_RETENTION_MS, DEFAULT_DIRTY_RATIO, KAFKA_LONG_MAX, CompactionPolicy
+from fragments.compaction import POLICY_KEYS as COMPACTION_KEYS
+from fragments.model import LedgerConfig
+
 TOPICS = "/scroll/topics/"
 MAX_PARTITIONS = 10_000
 _TOPIC_NAME = re.compile(r"^[a-zA-Z0-9._-]{1,200}$")
@@ -30,6 +34,54 @@ _TOPIC_NAME = re.compile(r"^[a-zA-Z0-9._-]{1,200}$")
 
 class InvalidTopicName(ValueError):
     pass
+
+
+# ------------------------------------------------------------ what a topic's Kafka configs mean for its streams
+# (the Kafka listener checks the configs first, compat_kafka/admin.py; the streams API takes them as is
+# and lets CompactionPolicy / LedgerConfig refuse what is out of range)
+DEFAULT_SEGMENT_BYTES = LedgerConfig().fragment_bytes_max
+SEGMENT_KEYS = ("segment.bytes", "segment.ms", "max.compaction.lag.ms", "cleanup.policy")  # what the caps follow
+RETENTION_KEYS = ("max_age_s", "max_bytes", *COMPACTION_KEYS)  # the retention keys topic configs own
+
+
+def compaction_policy(configs: dict[str, str]) -> CompactionPolicy:
+    """The compaction policy the (checked) topic configs ask for."""
+    max_lag = int(configs.get("max.compaction.lag.ms", KAFKA_LONG_MAX))
+    return CompactionPolicy(
+        cleanup_policy=configs.get("cleanup.policy", "delete"),
+        min_compaction_lag_ms=int(configs.get("min.compaction.lag.ms", 0)),
+        max_compaction_lag_ms=None if max_lag >= KAFKA_LONG_MAX else max_lag,
+        min_cleanable_dirty_ratio=float(configs.get("min.cleanable.dirty.ratio", DEFAULT_DIRTY_RATIO)),
+        delete_retention_ms=int(configs.get("delete.retention.ms", DEFAULT_DELETE_RETENTION_MS)),
+    )
+
+
+def retention_policy(configs: dict[str, str]) -> dict:
+    """The stream retention keys the topic configs ask for ({} for no limit and no compaction):
+    ``max_age_s`` / ``max_bytes`` (fragments/retention.py) and the compaction policy's keys other
+    than their defaults (fragments/compaction.py)."""
+    out: dict = {}
+    ms = int(configs.get("retention.ms", "-1"))
+    nbytes = int(configs.get("retention.bytes", "-1"))
+    if ms >= 0:
+        out["max_age_s"] = ms / 1000
+    if nbytes >= 0:
+        out["max_bytes"] = nbytes
+    out.update(compaction_policy(configs).to_dict())
+    return out
+
+
+def rollover_caps(configs: dict[str, str]) -> tuple[int, int | None]:
+    """(fragment_bytes_max, fragment_age_max_ms) the topic configs ask for: segment.bytes (default
+    the stream default, 64 MiB) and segment.ms, lowered to max.compaction.lag.ms on a compact topic
+    (None: no age cap)."""
+    nbytes = int(configs.get("segment.bytes", DEFAULT_SEGMENT_BYTES))
+    ages = [int(configs["segment.ms"])] if "segment.ms" in configs else []
+    policy = compaction_policy(configs)
+    if policy.compact and policy.max_compaction_lag_ms is not None:
+        ages.append(policy.max_compaction_lag_ms)
+    age = min(ages) if ages else None
+    return nbytes, (age if age is None or age < KAFKA_LONG_MAX else None)
 
 
 def topic_key(name: str) -> str:

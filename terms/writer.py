@@ -26,6 +26,19 @@ entry is resent to the newcomer, whose first add carries the truncate flag (it m
 of earlier terms). A bookie that acked a committed entry not yet fully replicated is pinned: it is
 not replaced until that entry reached WQ. A full fragment is drained (everything at WQ), sealed and
 followed by a fragment on a freshly placed ensemble. Any InvalidTerm answer withdraws the writer.
+
+Age rollover. With ``LedgerConfig.fragment_age_max_ms`` set (Kafka's segment.ms, and a compacted
+topic's max.compaction.lag.ms), the open fragment also counts as full once the first entry this
+writer released into it is that old (the writer's clock: ``advance_clock`` / ``Tick``; entries an
+earlier term left in it do not count, nor does the take-over no-op): sends are held, the fragment
+drains and rolls over as a full one does. A fragment holding no entry of ours never rolls over for
+its age, so an idle stream does not churn fragments. ``next_deadline`` includes the moment the age
+cap is reached. A rollover that cannot place a new ensemble is retried ``ensemble_retry_max_s``
+later, appends going on in the old fragment meanwhile.
+
+Caps may change under a live writer (a topic's segment.* configs altered): ``update_caps`` takes
+the new ``fragment_*`` caps at once (the driver reads the ledger record now and then), and a CAS
+that conflicts with a change of the caps alone is rebased like a change of retention or extra.
 """
 
 from __future__ import annotations
@@ -34,9 +47,9 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
-from fragments.model import Fragment, LedgerMeta, LedgerStatus
+from fragments.model import Fragment, LedgerConfig, LedgerMeta, LedgerStatus
 from fragments.placement import NotEnoughBookies, Placement
-from fragments.rollover import fragment_full
+from fragments.rollover import age_deadline, fragment_full, fragment_too_old
 
 from . import entry as entry_codec
 from .commands import (
@@ -176,6 +189,8 @@ class LedgerWriter:
         self.dirty_sent: tuple[Fragment, ...] = ()
         self.dirty: dict[int, Fragment] = {}  # fragments changed locally, not yet in metadata
         self.fragment_bytes = 0
+        self.fragment_first_at: float | None = None  # when our first entry went into the open fragment
+        self.age_retry_at = 0.0  # an age rollover that could not place waits until then
         self.next_send_id = 1
         self.join_send_id: dict[str, int] = {}  # answers to sends older than a bookie's join are stale
         self.needs_truncate: set[str] = set()  # newcomers whose first add must carry the truncate flag
@@ -263,6 +278,22 @@ class LedgerWriter:
         if now > self.now:
             self.now = now
 
+    def update_caps(self, config: LedgerConfig) -> list[Command]:
+        """The ledger's rollover caps changed in metadata (``config`` as read from the store): use
+        them from the next rollover decision on. Ensemble and quorum changes are not taken (they
+        cannot change under a writer). The record's version is not taken either: the next CAS
+        conflicts and is rebased over the change (see ``_foreign_change``)."""
+        cur = self.ledger.config
+        if self.phase in TERMINAL or not cur.same_quorums(config) or cur.with_caps(config) == cur:
+            return []
+        self.ledger = self.ledger.with_(config=cur.with_caps(config))
+        self._cas_target = self._cas_target.with_(config=self._cas_target.config.with_caps(config))
+        log.info("ledger=%s term=%s fragment caps now bytes=%s entries=%s age_ms=%s", self.ledger.ledger_id,
+                 self.term, config.fragment_bytes_max, config.fragment_entries_max, config.fragment_age_max_ms)
+        if self.phase is Phase.OPEN and self.cas_reason is None:
+            self._pump()  # a lower cap may make the open fragment full now
+        return self._drain()
+
     def next_deadline(self) -> float | None:
         """The earliest time at which a ``Tick`` would do something, or None when nothing is
         time-driven (an idle writer whose LAC is pushed, a metadata change in flight, a finished
@@ -287,7 +318,24 @@ class LedgerWriter:
             push_at = self.last_send_at + self.config.lac_push_idle_s
             if deadline is None or push_at < deadline:
                 deadline = push_at
+        age_at = self._age_roll_at()
+        if age_at is not None and (deadline is None or age_at < deadline):
+            deadline = age_at
         return deadline
+
+    def _age_roll_at(self) -> float | None:
+        """When a Tick would roll the open fragment over for its age (None: not time-driven now).
+        Once due, the rollover waits for the fragment to drain (the last ack rolls it over, not a
+        Tick), so a past deadline is only given when the rollover can be tried at once."""
+        if self.phase is not Phase.OPEN or self.failed or self.close_requested:
+            return None
+        due = age_deadline(self.ledger.config, self.fragment_first_at)
+        if due is None:
+            return None
+        due = max(due, self.age_retry_at)
+        if due <= self.now and self.lafr != self.sent_upto:
+            return None
+        return due
 
     # ------------------------------------------------------------------ metadata answers
     def _on_cas_ok(self, ev: CasOk) -> None:
@@ -313,7 +361,8 @@ class LedgerWriter:
             # a layer above updated ``extra``): the term is still ours, so nobody took over.
             # Rebase the pending change onto what the store holds and send it again.
             cur = ev.current
-            keep = dict(first_fragment_index=cur.first_fragment_index, retention=cur.retention, extra=cur.extra)
+            keep = dict(first_fragment_index=cur.first_fragment_index, retention=cur.retention, extra=cur.extra,
+                        config=self.ledger.config.with_caps(cur.config))
             self.ledger = self.ledger.with_(**keep)
             self._cas_target = self._cas_target.with_(**keep)
             self.version = ev.version
@@ -327,14 +376,14 @@ class LedgerWriter:
 
     def _foreign_change(self, ev: CasConflict) -> bool:
         """Whether the conflicting write kept every field a writer owns (term, status, fragment
-        range, closing entry) as we last wrote or read them, so only fields owned by others
-        (first_fragment_index, retention, extra) moved. A take-over always raises the term."""
+        range, closing entry, ensemble size and quorums) as we last wrote or read them, so only fields
+        owned by others (first_fragment_index, retention, extra, the rollover caps) moved. A take-over always raises the term."""
         cur, mine = ev.current, self.ledger
         if cur is None or ev.version is None or self.cas_reason not in REBASEABLE:
             return False
         return (cur.ledger_id == mine.ledger_id and cur.term == self.term == mine.term and cur.status == mine.status
                 and cur.last_fragment_index == mine.last_fragment_index and cur.last_entry_id == mine.last_entry_id
-                and cur.config == mine.config
+                and cur.config.same_quorums(mine.config)
                 and all(cur.first_fragment_index <= f.index for f in self.dirty_sent))
 
     # ------------------------------------------------------------------ fencing
@@ -508,6 +557,8 @@ class LedgerWriter:
             self.sent_upto += 1
             p = self.pending[self.sent_upto]
             self.fragment_bytes += len(p.data)
+            if self.fragment_first_at is None and not p.recovery:
+                self.fragment_first_at = self.now
             self._send_missing(self.sent_upto, p)
         self._maybe_roll_over()
 
@@ -630,6 +681,8 @@ class LedgerWriter:
             frag = Fragment(self.fragment.index + 1, first, new_ens, self.term,
                             first_offset=self._offset_at(first))
             self.fragment_bytes = 0
+            # the entries resent into the new fragment make its age from now on
+            self.fragment_first_at = self.now if first <= self.sent_upto else None
         self.dirty[frag.index] = frag
         self.fragment = frag
         self.failed -= replace
@@ -700,7 +753,10 @@ class LedgerWriter:
     # ------------------------------------------------------------------ rollover
     def _fragment_is_full(self) -> bool:
         entries = self.sent_upto - self.fragment.first_entry_id + 1
-        return fragment_full(self.ledger.config, entries, self.fragment_bytes)
+        if fragment_full(self.ledger.config, entries, self.fragment_bytes):
+            return True
+        return self.now >= self.age_retry_at and fragment_too_old(self.ledger.config, self.fragment_first_at,
+                                                                  self.now)
 
     def _maybe_roll_over(self) -> None:
         if self.phase is not Phase.OPEN or self.cas_reason is not None or self.failed:
@@ -712,6 +768,8 @@ class LedgerWriter:
             return  # nothing in it yet
         new_ens = self._place(len(self.fragment.ensemble), {}, avoid=set())
         if new_ens is None:
+            # appends go on in this fragment (an age rollover stops holding them) until a retry
+            self.age_retry_at = self.now + self.config.ensemble_retry_max_s
             return
         sealed = Fragment(
             self.fragment.index, self.fragment.first_entry_id, self.fragment.ensemble, self.fragment.created_term,
@@ -722,6 +780,8 @@ class LedgerWriter:
         self.dirty[frag.index] = frag
         self.fragment = frag
         self.fragment_bytes = 0
+        self.fragment_first_at = None
+        self.age_retry_at = 0.0
         self._joined(new_ens)
         log.info("ledger=%s term=%s rollover at %s onto %s", self.ledger.ledger_id, self.term, last + 1, new_ens)
         self._cas(self.ledger.with_(last_fragment_index=frag.index), (sealed, frag), "rollover")
@@ -732,6 +792,9 @@ class LedgerWriter:
         self.last_tick_at = ev.now
         if self.phase in (Phase.OPEN, Phase.RECOVERING) and self.failed and self.cas_reason is None:
             self._change_ensemble()
+        if self.phase is Phase.OPEN and self.cas_reason is None and not self.failed \
+                and self.fragment_first_at is not None and self.ledger.config.fragment_age_max_ms is not None:
+            self._pump()  # the open fragment may have reached its age: drain and roll over
         if (
             self.phase is Phase.OPEN
             and self.lac > self.lac_pushed

@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 import crc32c
+from aiokafka.record.default_records import DefaultRecordBatch
 
 from streams.batches import (
     ATTR_CONTROL,
@@ -167,3 +168,12 @@ def downconvert(records: bytes, magic: int, from_offset: int) -> bytes:
             _I64.pack_into(msg, 0, r.offset)  # the builder numbers from 0; the message keeps its offset
             out += msg
     return bytes(out)
+
+def keyless_records(batch: Batch) -> list[int]:
+    """The indexes (in the batch, from 0) of the records without a key: a compacted topic refuses
+    them. This decodes the batch (aiokafka's C parser, decompressing if need be), so it runs only on
+    the produce path of compacted topics. Raises CorruptMessage for records that do not parse."""
+    try:
+        return [i for i, r in enumerate(DefaultRecordBatch(bytes(batch.raw))) if r.key is None]
+    except Exception as exc:  # the C parser raises CorruptRecordException / ValueError / struct.error
+        raise CorruptMessage(f"malformed records in a record batch: {exc!r}") from None

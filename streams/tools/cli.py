@@ -341,6 +341,43 @@ def _topic_dict(t) -> dict:
             "streams": t.streams()}
 
 
+@topic.command("alter")
+@click.argument("name")
+@click.option("--config", "configs", multiple=True, metavar="KEY=VALUE",
+              help="Set a topic config (repeatable; Kafka's names, e.g. cleanup.policy=compact, segment.ms=60000).")
+@click.option("--delete-config", "deletes", multiple=True, metavar="KEY", help="Remove a topic config (repeatable).")
+@metadata_option
+@json_option
+def topic_alter(name, configs, deletes, metadata, as_json):
+    """Change a topic's configs; the ones that act (retention.*, cleanup.policy and the compaction
+    settings, segment.bytes / segment.ms) are applied to every partition stream."""
+    cfg = dict(_pair(c, "--config") for c in configs)
+    if not cfg and not deletes:
+        raise click.UsageError("nothing to change: give --config KEY=VALUE or --delete-config KEY")
+    t = _arun(metadata, lambda c: c.alter_topic_configs(name, cfg, list(deletes)))
+    if as_json:
+        click.echo(json.dumps(_topic_dict(t)))
+    else:
+        click.echo(f"topic {name!r} configs: " + (", ".join(f"{k}={v}" for k, v in sorted(t.configs.items())) or "-"))
+
+
+def _stream_policy(meta) -> dict:
+    """What a stream's record says of its retention, compaction and rollover."""
+    from fragments.compaction import CompactionPolicy
+
+    r = {k: v for k, v in meta.retention.items() if k not in ("deleting", "compaction")}
+    try:
+        compaction = asdict(CompactionPolicy.from_dict(r))
+    except ValueError as exc:
+        compaction = {"invalid": str(exc)}
+    return {"retention": {k: v for k, v in r.items() if k in ("max_age_s", "max_bytes", "keep_from",
+                                                              "respect_consumers")},
+            "compaction": compaction,
+            "fragment_bytes_max": meta.config.fragment_bytes_max,
+            "fragment_entries_max": meta.config.fragment_entries_max,
+            "fragment_age_max_ms": meta.config.fragment_age_max_ms}
+
+
 @topic.command("list")
 @metadata_option
 @json_option
@@ -373,17 +410,20 @@ def topic_describe(name, metadata, as_json):
     async def go(c):
         t = await c.describe_topic(name)
         parts = []
+        policy = None
         for p, s in enumerate(t.streams()):
             info = await c.describe_stream(s)
+            if policy is None:
+                policy = _stream_policy(info.meta)
             earliest, end = await _offsets_of(c, s)
             parts.append({"partition": p, "stream": s, "earliest_offset": earliest, "end_offset": end,
                           "term": info.meta.term, "status": info.meta.status.value,
                           "fragments": len(info.fragments),
                           "ensemble": list(info.fragments[-1].ensemble) if info.fragments else []})
-        return t, parts
+        return t, parts, policy
 
-    t, parts = _arun(metadata, go)
-    d = {**_topic_dict(t), "partition_info": parts}
+    t, parts, policy = _arun(metadata, go)
+    d = {**_topic_dict(t), "stream_policy": policy, "partition_info": parts}
     if as_json:
         click.echo(json.dumps(d))
         return
@@ -391,6 +431,11 @@ def topic_describe(name, metadata, as_json):
 
     click.echo(f"topic {t.name!r}  id {t.topic_id}  partitions {t.partitions}  configs "
                + (", ".join(f"{k}={v}" for k, v in sorted(t.configs.items())) or "-"))
+    if policy is not None:
+        c = policy["compaction"]
+        click.echo(f"cleanup.policy {c.get('cleanup_policy')}  compaction {c}  retention {policy['retention'] or '-'}  "
+                   f"fragments roll at {_size(policy['fragment_bytes_max'])} / {policy['fragment_entries_max']} entries"
+                   f" / {policy['fragment_age_max_ms'] if policy['fragment_age_max_ms'] else 'no'} ms age")
     tb = Table("partition", "stream", "earliest", "end", "records", "term", "status", "fragments", "ensemble")
     for p in parts:
         tb.add_row(str(p["partition"]), p["stream"], str(p["earliest_offset"]), str(p["end_offset"]),

@@ -257,7 +257,7 @@ async def _run_stream(client, name: str, override: Policy | None, dry_run: bool,
             log.warning("stream=%s retention skipped: %s", name, rep.skipped)
             return rep
         if not policy.active:
-            rep.kept_because = "no retention policy"
+            rep.kept_because = policy.inactive_reason
             return rep
         frags = await ledgers.fragments(meta.ledger_id, meta.first_fragment_index, meta.last_fragment_index)
         try:
@@ -270,7 +270,7 @@ async def _run_stream(client, name: str, override: Policy | None, dry_run: bool,
         reader = await _reader(client, meta, frags)
         known = await _with_offsets(reader, frags)
         now = int(time.time() * 1000) if now_ms is None else now_ms
-        stamps = await _last_timestamps(reader, known, policy, now) if policy.max_age_s is not None else {}
+        stamps = await _last_timestamps(reader, known, policy, now) if policy.age_s is not None else {}
         decision = evaluate(policy, known, now, fl, stamps)
         _describe(rep, decision)
         if not decision.remove or dry_run:
@@ -424,7 +424,7 @@ async def _last_timestamps(reader: Consumer, frags: list[Fragment], policy: Poli
     that is too young (or unknown): the walk in ``evaluate`` stops there anyway. A fragment that
     holds no record needs none."""
     out: dict[int, int | None] = {}
-    limit = now_ms - policy.max_age_s * 1000
+    limit = now_ms - policy.age_s * 1000
     for f, nxt in zip(frags, frags[1:]):
         if not f.sealed:
             break

@@ -121,7 +121,7 @@ def test_topic_configs_are_described_altered_and_set_stream_retention(admin, shi
     assert stream_info(kafka_cluster, partition_stream(topic, 2))[0] == {"max_bytes": 1048576}
 
     bad = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
-        ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET)])
+        ConfigEntry("cleanup.policy", "shred", incremental_operation=AlterConfigOpType.SET)])
     assert error_name(admin.incremental_alter_configs([bad])[bad]) == "INVALID_CONFIG"
     bad = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
         ConfigEntry("retention.ms", "soon", incremental_operation=AlterConfigOpType.SET)])
