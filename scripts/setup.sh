@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv and installs what Scroll needs: Python packages, plus the system tools the tests and
-# `scroll standalone` use (an etcd server, kcat, a JDK for Spark) when they are missing.
+# Creates .venv (and .venv-faust, for the Faust test app) and installs what Scroll needs: Python
+# packages, plus the system tools the tests and `scroll standalone` use (an etcd server, kcat, a JDK
+# for Spark) when they are missing.
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,18 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"
   touch "$stamp"
+fi
+# Faust (tests/kafka/test_real_tools.py) in a venv of its own: faust-streaming requires click<8.4,
+# below ours, and its app runs as a separate process anyway.
+fstamp=.venv-faust/.scroll-installed
+faust_req=tests/kafka/faust_app/requirements.txt
+if [ ! -x .venv-faust/bin/python ]; then
+  "$PY" -m venv .venv-faust
+fi
+if [ ! -f "$fstamp" ] || [ "$faust_req" -nt "$fstamp" ]; then
+  .venv-faust/bin/python -m pip install -q --upgrade pip
+  .venv-faust/bin/python -m pip install -q -r "$faust_req"
+  touch "$fstamp"
 fi
 need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
