@@ -27,7 +27,7 @@ first), as Kafka's ``LogCleaner`` does:
      offset and the producer's sequence are where they were); one that keeps none stays as an
      empty batch when it is its producer's last batch in the scanned log (idempotent
      de-duplication and producer state recovery need it), else becomes a *hole*;
-   * no-op entries and holes stay holes.
+   * no-op entries and holes stay (a no-op written into a data ledger becomes a hole there).
 
 A *hole* is a data entry with no payload (``HOLE``): it keeps an entry id so the compacted
 fragment maps its entries one to one onto the original ones, and readers skip it as they skip
@@ -198,7 +198,7 @@ class Rewriter:
     def entry(self, entry_id: int, data, out: Outcome):
         b = stored_batch(entry_id, data)  # raises on a data entry that is not a batch: nothing is lost
         if b is None:
-            return data if data == HOLE else HOLE  # a hole stays; a take-over's no-op becomes one
+            return data  # a take-over's no-op or a hole: nothing to remove
         if crc32c(memoryview(data)[1 + OFF_ATTRIBUTES:]) != _U32.unpack_from(data, 1 + OFF_CRC)[0]:
             raise ValueError(f"entry {entry_id}: record batch CRC mismatch: not compacting a damaged batch")
         attrs = b.attributes

@@ -28,7 +28,7 @@ class Run:
         self.data, self.ports = data, ports
         args = (f"--data-dir {data} --etcd-port {ports['etcd']} --etcd-peer-port {ports['peer']} "
                 f"--kafka-port {ports['kafka']} --bookie-port {ports['bookie']} --metrics-port {ports['metrics']} "
-                f"--retention-interval 1 {extra}").strip()
+                f"--retention-interval 1 --compaction-interval 1 {extra}").strip()
         self.log = data.parent / f"run-{time.monotonic_ns()}.log"
         self.out = open(self.log, "wb")
         self.p = subprocess.Popen(["make", "--no-print-directory", "run", f"ARGS={args}"], cwd=ROOT,

@@ -5,6 +5,7 @@ start it again on the same data directory and find everything still there."""
 
 from __future__ import annotations
 
+import ast
 import re
 import socket
 import subprocess
@@ -92,6 +93,23 @@ def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
         assert m and float(m.group(1)) >= 2, metrics
         got = python(f"import streams.sync as s; c = s.connect({url!r}); print(c.consumer('logs').earliest())")
         assert int(got) == 29  # the first offset of the first fragment kept
+        # scheduled compaction: a compacted stream of 10-entry fragments, 5 keys written over and over
+        python(f"import streams.sync as s; c = s.connect({url!r}); "
+               "c.create_stream('profiles', fragment_entries_max=10, retention={'cleanup_policy': 'compact'}); "
+               "p = c.producer('profiles'); [p.append(b'v%d' % i, key=b'k%d' % (i % 5)) for i in range(50)]; p.close()")
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).read().decode()
+            m = re.search(r"^scroll_compaction_reclaimed_bytes_total (\S+)$", metrics, re.M)
+            if m and float(m.group(1)) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert m and float(m.group(1)) > 0, metrics
+        assert re.search(r'^scroll_compaction_dirty_ratio\{stream="profiles"\} ', metrics, re.M), metrics
+        got = python(f"import streams.sync as s; c = s.connect({url!r}); "
+                     "print([(r.offset, r.value) for r in c.consumer('profiles').read(100)])")
+        kept = ast.literal_eval(got.strip())
+        assert len(kept) < 50 and kept[-5:] == [(o, b"v%d" % o) for o in range(45, 50)]
         assert "stopped; data kept in" in run.ctrl_c()
         for p in (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"]):
             assert not _listening(p), f"something still listens on port {p} after Ctrl-C"

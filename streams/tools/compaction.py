@@ -67,9 +67,10 @@ from fragments.ledgers import LedgerStore, NoSuchLedger
 from fragments.model import Fragment, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
 from fragments.store import MetadataError
+from terms import entry as entry_codec
 
 from ..batches import OFF_FIRST_TIMESTAMP, stored_batch
-from ..cleaner import DirtyScan, Rewriter, delete_horizon
+from ..cleaner import HOLE, DirtyScan, Rewriter, delete_horizon
 from ..consumer import Consumer
 from ..driver import ProducerOptions, WriterDriver
 from ..errors import NoSuchStream, ScrollError
@@ -79,7 +80,11 @@ log = logging.getLogger(__name__)
 
 DATA_PREFIX = DATA_LEDGER_PREFIX
 CLAIM_TTL_S = 600.0
-GRACE_S = 600.0
+# A data ledger is swept only once older than the grace, and a pass switches only while its claim
+# (taken when its data ledgers are named) is unexpired: with the grace beyond the claim's life, a
+# sweep never deletes what a pass may still switch in.
+GRACE_S = CLAIM_TTL_S + 60.0
+SCAN_CACHE_BYTES = 64 << 20  # dirty entries kept from the scan for the rewrite (not read twice)
 _CAS_ATTEMPTS = 20
 _SWITCH_BATCH = 100  # fragment records per switch transaction (etcd allows 128 writes)
 _READ_CHUNK = 1000
@@ -156,18 +161,20 @@ def _parse_data_name(name: str) -> tuple[int, int, str] | None:
 
 async def run_compaction(client, stream: str | None = None, dry_run: bool = False, *, force: bool = False,
                          now_ms: int | None = None, grace_s: float = GRACE_S, claim_ttl_s: float = CLAIM_TTL_S,
-                         _fault=None) -> CompactionReport:
+                         metas: list[LedgerMeta] | None = None, _fault=None) -> CompactionReport:
     """Compact every stream whose policy says ``compact`` (or only ``stream``), when due (``force``:
-    whatever the dirty ratio), and sweep data ledgers nothing references. ``_fault(step)`` is a test
-    hook called after each step ("claimed", "written", "switched", "trimmed") that may raise to
-    simulate a crash there."""
+    whatever the dirty ratio), and sweep data ledgers nothing references. ``metas``: every ledger
+    record as the caller just listed them (``scroll standalone`` lists them for its metrics anyway),
+    else they are listed here. ``_fault(step)`` is a test hook called after each step ("claimed",
+    "written", "switched a chunk", "switched", "trimmed") that may raise to simulate a crash there."""
     ledgers: LedgerStore = client.cluster.ledgers
-    metas = await ledgers.list_ledgers()
     if stream is not None:
-        targets = [m for m in metas if m.name == stream]
-        if not targets:
-            raise NoSuchStream(f"no stream named {stream!r}")
+        try:
+            targets = [(await ledgers.get_ledger(stream))[0]]
+        except NoSuchLedger:
+            raise NoSuchStream(f"no stream named {stream!r}") from None
     else:
+        metas = await ledgers.list_ledgers() if metas is None else metas
         targets = [m for m in metas if not is_data_ledger(m.name)]
     reports = []
     for m in targets:
@@ -215,9 +222,10 @@ async def compact_stream(client, name: str, policy: CompactionPolicy | None = No
     reader = await _reader(client, meta, frags)
     frags = await _with_offsets(reader, frags)
     cleaned_to = int(state.get("cleaned_to", 0))
+    ends = {a.index: b.first_offset for a, b in zip(frags, frags[1:])}  # one past each fragment's records
     cleanable = await _cleanable(reader, frags, policy, now, cleaned_to)
     rep.cleanable_fragments = [f.index for f in cleanable]
-    dirty = [f for f in cleanable if _end_offset(frags, f) is not None and _end_offset(frags, f) > cleaned_to]
+    dirty = [f for f in cleanable if ends[f.index] > cleaned_to]
     total = sum(f.size_bytes or 0 for f in cleanable)
     dirty_bytes = sum(f.size_bytes or 0 for f in dirty)
     rep.dirty_ratio = dirty_bytes / total if total else 0.0
@@ -248,25 +256,30 @@ async def compact_stream(client, name: str, policy: CompactionPolicy | None = No
     try:
         if _fault:
             _fault("claimed")
-        await _pass(client, reader, meta, frags, cleanable, dirty, policy, now, pass_id, rep, _fault)
+        await _pass(client, reader, meta, ends, cleanable, dirty, policy, now, pass_id, rep, _fault)
     finally:
-        with _suppress_metadata():
+        try:
             await _release(ledgers, meta.ledger_id, pass_id)
+        except (MetadataError, NoSuchLedger) as exc:
+            log.warning("stream=%s compaction: claim not released (it lapses by itself): %s", name, exc)
     rep.seconds = time.monotonic() - started
     return rep
 
 
-async def _pass(client, reader: Consumer, meta: LedgerMeta, frags, cleanable, dirty, policy, now, pass_id, rep,
-                fault) -> None:
-    # pass 1: the offset map over the dirty fragments, up to the last safe point
+async def _pass(client, reader: Consumer, meta: LedgerMeta, ends: dict[int, int], cleanable, dirty, policy, now,
+                pass_id, rep, fault) -> None:
+    # scan: the offset map over the dirty fragments, up to the last safe point; their entries are
+    # kept for the rewrite while they fit SCAN_CACHE_BYTES
     scan = DirtyScan()
+    cache: dict[int, list] = {}
+    cached_bytes = 0
     for f in dirty:
-        batches = []
-        async for e in _entries(reader, f):
-            b = stored_batch(e.entry_id, e.data)
-            if b is not None:
-                batches.append(b)
-        scan.fragment(batches)
+        entries = [e async for e in _entries(reader, f)]
+        scan.fragment([b for e in entries if (b := stored_batch(e.entry_id, e.data)) is not None])
+        size = sum(len(e.data) for e in entries)
+        if cached_bytes + size <= SCAN_CACHE_BYTES:
+            cache[f.index] = entries
+            cached_bytes += size
         if scan.full:
             break
     safe = dirty[:scan.safe_fragments]
@@ -274,12 +287,11 @@ async def _pass(client, reader: Consumer, meta: LedgerMeta, frags, cleanable, di
         rep.why += "; an open transaction starts in the first dirty fragment"
         return
     end_index = safe[-1].index
-    scope = [f for f in cleanable if f.index <= end_index]
     rewriter = Rewriter(scan, now, policy.delete_retention_ms)
-    written: list[tuple[Fragment, Fragment, int]] = []  # (old record, new record, data ledger id)
+    written: list[tuple[Fragment, Fragment]] = []  # (old record, new record) not switched in yet
     try:
-        for f in scope:
-            entries = [e async for e in _entries(reader, f)]
+        for f in (f for f in cleanable if f.index <= end_index):
+            entries = cache.pop(f.index, None) or [e async for e in _entries(reader, f)]
             out = rewriter.fragment(entries)
             rep.bytes_in += out.bytes_in
             rep.records_in += out.records_in
@@ -290,28 +302,22 @@ async def _pass(client, reader: Consumer, meta: LedgerMeta, frags, cleanable, di
                 rep.bytes_out += out.bytes_in
                 continue
             new = await _write_data_ledger(client, meta, f, out.entries, now, pass_id)
-            written.append((f, new, new.data_ledger))
+            written.append((f, new))
             rep.bytes_out += new.size_bytes or 0
             rep.rewritten_fragments.append(f.index)
         if fault:
             fault("written")
-        end_offset = _end_offset(frags, safe[-1])
-        await _switch(client, meta.ledger_id, pass_id, written, end_offset, now)
-        written = []
-        rep.cleaned_to = end_offset
+        await _switch(client, meta.ledger_id, pass_id, written, ends[end_index], now, fault)
+        rep.cleaned_to = ends[end_index]
     finally:
-        for _old, new, _lid in written:  # not switched in: nothing references them
-            await _delete_data_ledger(client, new.data_ledger, new.ensemble)
+        for _old, new in written:  # not switched in: nothing references them (the sweep's job if this fails)
+            try:
+                await _delete_data_ledger(client, new.data_ledger, new.ensemble)
+            except (BookieError, CompactionIncomplete, MetadataError) as exc:
+                log.warning("stream=%s: unused data ledger %s left to the sweep: %s", meta.name, new.data_ledger, exc)
     if fault:
         fault("switched")
     await _clean_superseded(client, meta.ledger_id, fault)
-
-
-def _end_offset(frags: list[Fragment], f: Fragment) -> int | None:
-    for a, b in zip(frags, frags[1:]):
-        if a.index == f.index:
-            return b.first_offset
-    return None
 
 
 async def _cleanable(reader: Consumer, frags: list[Fragment], policy: CompactionPolicy, now: int,
@@ -323,7 +329,8 @@ async def _cleanable(reader: Consumer, frags: list[Fragment], policy: Compaction
     for f, nxt in zip(frags, frags[1:]):
         if not f.sealed or f.first_offset is None or nxt.first_offset is None:
             break
-        if nxt.first_offset > max(f.first_offset, cleaned_to):  # dirty records: the newest one's age decides
+        if policy.min_compaction_lag_ms and nxt.first_offset > max(f.first_offset, cleaned_to):
+            # dirty records: the newest one's age decides
             ts = await _last_batch_timestamp(reader, f)
             if ts is None or ts > now - policy.min_compaction_lag_ms:
                 break
@@ -353,52 +360,44 @@ async def _entries(reader: Consumer, f: Fragment):
 async def _reader(client, meta: LedgerMeta, frags: list[Fragment]) -> Consumer:
     await client.cluster.refresh_bookies(max_age_s=1.0)
     reader = Consumer(client.cluster, meta, read_ahead=False)
-    reader.fragments = list(frags)
-    await reader._learn_lac(0.0)
+    reader.fragments = list(frags)  # only sealed fragments are read: every entry is at or below the LAC
     return reader
 
 
 # ------------------------------------------------------------------------------------ claim
-async def _claim(ledgers: LedgerStore, ledger_id: int, pass_id: str, now: int, ttl_s: float) -> LedgerMeta | None:
+async def _edit_state(ledgers: LedgerStore, ledger_id: int, edit) -> LedgerMeta | None:
+    """CAS the stream's compaction state: ``edit(meta, state)`` changes ``state`` (a copy) and says
+    whether to write it (False: leave the record alone and return None). Retried on conflict."""
     for _attempt in range(_CAS_ATTEMPTS):
         meta, version = await ledgers.get_ledger(ledger_id)
         state = dict(meta.retention.get(COMPACTION) or {})
-        claim = state.get("claim")
-        if claim and claim.get("until_ms", 0) > now and claim.get("pass") != pass_id:
+        if not edit(meta, state):
             return None
-        state["claim"] = {"pass": pass_id, "until_ms": int(now + ttl_s * 1000)}
         new = meta.with_(retention={**meta.retention, COMPACTION: state})
         if await ledgers.cas_ledger(new, (), version) is not None:
             return new
-    return None
+    raise MetadataError(f"ledger {ledger_id}: the compaction state kept changing")
+
+
+async def _claim(ledgers: LedgerStore, ledger_id: int, pass_id: str, now: int, ttl_s: float) -> LedgerMeta | None:
+    def edit(_meta, state) -> bool:
+        claim = state.get("claim")
+        if claim and claim.get("until_ms", 0) > now:
+            return False
+        state["claim"] = {"pass": pass_id, "until_ms": int(now + ttl_s * 1000)}
+        return True
+
+    return await _edit_state(ledgers, ledger_id, edit)
 
 
 async def _release(ledgers: LedgerStore, ledger_id: int, pass_id: str) -> None:
-    for _attempt in range(_CAS_ATTEMPTS):
-        meta, version = await ledgers.get_ledger(ledger_id)
-        state = dict(meta.retention.get(COMPACTION) or {})
+    def edit(_meta, state) -> bool:
         if (state.get("claim") or {}).get("pass") != pass_id:
-            return
-        state.pop("claim", None)
-        if await ledgers.cas_ledger(meta.with_(retention={**meta.retention, COMPACTION: state}), (), version):
-            return
+            return False
+        del state["claim"]
+        return True
 
-
-class _suppress_metadata:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, tp, exc, tb):
-        if exc is not None and isinstance(exc, (MetadataError, NoSuchLedger)):
-            log.warning("compaction: could not release a claim (it lapses by itself): %s", exc)
-            return True
-        return False
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, tp, exc, tb):
-        return self.__exit__(tp, exc, tb)
+    await _edit_state(ledgers, ledger_id, edit)
 
 
 # ------------------------------------------------------------------------------------ write
@@ -407,6 +406,7 @@ async def _write_data_ledger(client, meta: LedgerMeta, f: Fragment, entries: lis
     """Write ``entries`` into a fresh data ledger, seal it, read it back and compare; the new record
     of ``f`` that names it."""
     cluster = client.cluster
+    entries = [HOLE if entry_codec.is_noop(d) else d for d in entries]  # a no-op's term means nothing there
     await cluster.refresh_bookies(max_age_s=1.0)
     c = meta.config
     config = LedgerConfig(c.write_quorum, c.write_quorum, c.ack_quorum, 1 << 62, 1 << 62)
@@ -472,38 +472,37 @@ async def _verify(cluster, dmeta: LedgerMeta, first: int, entries: list) -> None
 
 
 # ------------------------------------------------------------------------------------ switch
-async def _switch(client, ledger_id: int, pass_id: str, written, end_offset: int, now: int) -> None:
-    """Name the data ledgers in the fragment records, a prefix at a time, each CAS checking that
-    this pass still holds the claim and that the records are those it read."""
+async def _switch(client, ledger_id: int, pass_id: str, written: list, end_offset: int, now: int,
+                  fault=None) -> None:
+    """Name the data ledgers in the fragment records, a prefix at a time (``written`` loses each
+    chunk once switched in). Each CAS checks that this pass still holds an unexpired claim (the
+    sweep may delete the data ledgers of a pass whose claim lapsed) and that the records are those
+    it read; it records what the new records supersede."""
     ledgers: LedgerStore = client.cluster.ledgers
-    done = 0
     while True:
-        chunk = written[done:done + _SWITCH_BATCH]
-        last_chunk = done + _SWITCH_BATCH >= len(written)
+        chunk = written[:_SWITCH_BATCH]
+        last_chunk = len(written) <= _SWITCH_BATCH
         for _attempt in range(_CAS_ATTEMPTS):
             meta, version = await ledgers.get_ledger(ledger_id)
             state = dict(meta.retention.get(COMPACTION) or {})
-            if (state.get("claim") or {}).get("pass") != pass_id:
-                raise CompactionIncomplete("the claim lapsed before the switch; the pass is dropped")
-            current = {}
-            for old, _new, _lid in chunk:
-                if old.index >= meta.first_fragment_index:
-                    current[old.index] = await ledgers.get_fragment(ledger_id, old.index)
+            claim = state.get("claim") or {}
+            if claim.get("pass") != pass_id or claim.get("until_ms", 0) <= time.time() * 1000:
+                raise CompactionIncomplete("the pass's claim lapsed before its switch; the pass is dropped")
             puts, superseded = [], list(state.get("superseded") or [])
-            for old, new, _lid in chunk:
-                cur = current.get(old.index)
-                if cur is None:  # retention removed it meanwhile: the new data is not needed
+            for old, new in chunk:
+                cur = await ledgers.get_fragment(ledger_id, old.index) if old.index >= meta.first_fragment_index \
+                    else None
+                if cur is None:  # retention removed it meanwhile: its new data is not needed
                     superseded.append({"ledger": new.data_ledger, "bookies": list(new.ensemble)})
                     continue
                 if cur != old:
                     raise CompactionIncomplete(f"fragment {old.index} changed during the pass")
                 puts.append(new)
-                if old.data_ledger is not None:
+                if old.data_ledger is not None:  # an earlier pass's data ledger
                     superseded.append({"ledger": old.data_ledger, "bookies": list(old.ensemble)})
-            own = [old for old, _n, _l in chunk if old.data_ledger is None and old.index in current]
-            if own:
-                superseded.append({"ledger": ledger_id, "below_entry": max(f.last_entry_id for f in own) + 1,
-                                   "bookies": sorted({b for f in own for b in f.ensemble})})
+                else:  # the stream's own entries of this fragment (unchanged fragments keep theirs)
+                    superseded.append({"ledger": ledger_id, "first_entry": old.first_entry_id,
+                                       "last_entry": old.last_entry_id, "bookies": list(old.ensemble)})
             state["superseded"] = superseded
             if last_chunk:
                 state["cleaned_to"] = max(int(state.get("cleaned_to", 0)), end_offset)
@@ -513,49 +512,60 @@ async def _switch(client, ledger_id: int, pass_id: str, written, end_offset: int
                 break
         else:
             raise CompactionIncomplete("the ledger record kept changing; retried next run")
-        done += len(chunk)
+        del written[:len(chunk)]
         if last_chunk:
             return
+        if fault:
+            fault("switched a chunk")
 
 
 # ------------------------------------------------------------------------------------ clean up
 async def _clean_superseded(client, ledger_id: int, fault=None) -> None:
-    ledgers: LedgerStore = client.cluster.ledgers
-    meta, _ = await ledgers.get_ledger(ledger_id)
+    """Trim or delete what switches superseded, then drop those items from the list (one CAS);
+    an item whose bookies cannot all be reached stays for the next run."""
+    meta, _ = await client.cluster.ledgers.get_ledger(ledger_id)
     items = list((meta.retention.get(COMPACTION) or {}).get("superseded") or [])
     if not items:
         return
-    failed = []
+    done = []
     for item in items:
         try:
             if item["ledger"] == ledger_id:
-                await _trim(client, ledger_id, int(item["below_entry"]), item.get("bookies", []))
+                await _trim(client, ledger_id, int(item["first_entry"]), int(item["last_entry"]), item["bookies"])
             else:
                 await _delete_data_ledger(client, int(item["ledger"]), tuple(item.get("bookies", [])))
+            done.append(item)
         except (BookieError, CompactionIncomplete) as exc:
-            failed.append(item)
             log.warning("stream ledger=%d: superseded data not removed yet (retried next run): %s", ledger_id, exc)
     if fault:
         fault("trimmed")
-    for _attempt in range(_CAS_ATTEMPTS):
-        meta, version = await ledgers.get_ledger(ledger_id)
-        state = dict(meta.retention.get(COMPACTION) or {})
-        left = [i for i in (state.get("superseded") or []) if i not in items or i in failed]
-        state["superseded"] = left
-        if not left:
-            state.pop("superseded")
-        if await ledgers.cas_ledger(meta.with_(retention={**meta.retention, COMPACTION: state}), (), version):
-            return
+
+    def edit(_meta, state) -> bool:
+        left = [i for i in (state.get("superseded") or []) if i not in done]
+        if left:
+            state["superseded"] = left
+        else:
+            state.pop("superseded", None)
+        return True
+
+    await _edit_state(client.cluster.ledgers, ledger_id, edit)
 
 
-async def _trim(client, ledger_id: int, below_entry: int, bookies) -> None:
+async def _trim(client, ledger_id: int, first: int, last: int, bookies) -> None:
+    """Delete entries first..last of the stream on the bookies that held them (each must answer),
+    and best-effort on every other live bookie (which can only hold leftovers)."""
     cluster = client.cluster
-    await cluster.refresh_bookies(max_age_s=1.0)
-    for b in bookies:
+    regs = await cluster.refresh_bookies(max_age_s=1.0)
+    for b in list(bookies) + [r.bookie_id for r in regs if r.bookie_id not in bookies]:
         bc = cluster.client(b)
-        if bc is None:
-            raise CompactionIncomplete(f"bookie {b} is not registered")
-        await bc.trim(ledger_id, 0, below_entry - 1)
+        try:
+            if bc is None:
+                raise CompactionIncomplete(f"bookie {b} is not registered")
+            await bc.trim(ledger_id, first, last)
+        except (BookieError, CompactionIncomplete):
+            if b in bookies:
+                raise
+            log.info("ledger=%d best-effort trim of %d..%d on %s failed", ledger_id, first, last, b)
 
 
 async def _delete_data_ledger(client, data_ledger: int | None, bookies, *, name: str | None = None) -> None:

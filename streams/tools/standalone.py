@@ -195,6 +195,7 @@ class Standalone:
         self.kafka: Proc | None = None
         self.restarts: dict[str, int] = {}
         self._metrics = None
+        self._listed: tuple[float, list | None] = (0.0, None)  # (when, every ledger record) of the last listing
         self._metrics_server = None
 
     # ---------------------------------------------------------------- start and stop
@@ -343,7 +344,11 @@ class Standalone:
     async def update_stream_metrics(self, client) -> None:
         if self._metrics is None:
             return
-        metas = await client.list_streams()
+        from .compaction import is_data_ledger
+
+        every = await client.cluster.ledgers.list_ledgers()
+        self._listed = (time.monotonic(), every)  # the compaction run takes it instead of listing again
+        metas = [m for m in every if not is_data_ledger(m.name)]
         self._metrics["streams"].set(len(metas))
         for meta in metas:
             frags = await client.cluster.ledgers.fragments(meta.ledger_id, meta.first_fragment_index,
@@ -463,8 +468,11 @@ class Standalone:
     async def compaction_once(self, client) -> None:
         from .compaction import run_compaction
 
+        listed_at, metas = self._listed
+        if time.monotonic() - listed_at > 30.0:
+            metas = None  # not listed lately (no metrics endpoint): the run lists them
         try:
-            report = await run_compaction(client)
+            report = await run_compaction(client, metas=metas)
         except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
             log.warning("compaction run failed: %s", exc)
             if self._metrics:

@@ -222,3 +222,44 @@ def test_aiokafka_keyless_send_fails_keyed_send_succeeds(admin, shim, topic):
     assert ok.offset >= 0
     # aiokafka has no class for INVALID_RECORD (87): it raises UnknownError, not retried
     assert type(err).__name__ in ("UnknownError", "InvalidRecordError") or getattr(err, "errno", None) == 87
+
+
+def test_a_compacted_partition_over_kafka_gaps_skip_in_fetch_and_list_offsets(admin, shim, kafka_cluster, topic):
+    """After a compaction pass: ListOffsets earliest is the log start, ListOffsets by timestamp lands on
+    the first record that exists at or after it, a fetch from a removed offset gets the next record."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from streams.tools import compaction
+
+    # segment.ms=1: each acknowledged batch's fragment is rolled over by the next one, so all but the
+    # last fragment are sealed and cleanable
+    admin.create_topics([NewTopic(topic, 1, 1, config={"cleanup.policy": "compact", "segment.ms": "1"})])[
+        topic].result(timeout=30)
+    base = 1_700_000_000_000
+    p = Producer({"bootstrap.servers": shim.bootstrap, "linger.ms": 0})
+    for i in range(40):  # one batch each: k0..k3 over and over
+        p.produce(topic, key=f"k{i % 4}".encode(), value=f"v{i}".encode(), timestamp=base + i)
+        p.flush(10)
+
+    async def compact_now():
+        client = await connect(kafka_cluster.metadata_url)
+        try:
+            return await compaction.compact_stream(client, partition_stream(topic, 0), force=True)
+        finally:
+            await client.close()
+
+    rep = asyncio.run(compact_now())
+    c = Consumer({"bootstrap.servers": shim.bootstrap, "group.id": f"g-{topic}", "enable.auto.commit": False})
+    try:
+        lo, hi = c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+        assert (lo, hi) == (0, 40)
+        assert rep.cleaned_to >= 8, rep
+        survivors = set(range(rep.cleaned_to - 4, 40))  # each key's latest below the cleaned offset, and the head
+        gap = 1  # v1 (k1) was superseded by v5, v9, ...
+        (got,) = c.offsets_for_times([TopicPartition(topic, 0, base + gap)], timeout=10)
+        assert got.offset == min(o for o in survivors if o >= gap)
+        c.assign([TopicPartition(topic, 0, gap)])
+        msg = c.poll(10)
+        assert msg is not None and msg.offset() == min(o for o in survivors if o >= gap)
+    finally:
+        c.close()

@@ -17,7 +17,6 @@ has, and it is a separate process anyway. ``SCROLL_FAUST_PYTHON`` names another 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from confluent_kafka.admin import (
 )
 
 from streams.client import connect
+from streams.tools import compaction
 from streams.topics import partition_stream
 
 pytestmark = pytest.mark.process
@@ -271,23 +271,11 @@ def test_faust_exactly_once_counts_through_transactions(shim, admin, tmp_path):
 
 # --------------------------------------------------------------------- the config-topic pattern
 
-def compaction_job():
-    """The lead's compaction job, if it is in this tree."""
-    try:
-        from streams.tools import compaction
-    except ImportError:
-        return None
-    return getattr(compaction, "run_compaction", None)
-
-
 def run_compaction(cluster, stream: str):
-    job = compaction_job()
-
     async def go():
         client = await connect(cluster.metadata_url)
         try:
-            r = job(client, stream=stream)
-            return await r if inspect.isawaitable(r) else r
+            return await compaction.run_compaction(client, stream=stream)
         finally:
             await client.close()
 
@@ -321,9 +309,6 @@ def test_schemas_topic_pattern_compact_overwrites_and_tombstones(admin, shim, ka
     assert [o for o, _, _ in before] == list(range(len(records)))
     assert as_map(before) == expected
 
-    if compaction_job() is None:
-        pytest.skip("streams.tools.compaction.run_compaction is not in this tree yet: the compaction half "
-                    "(same map, fewer records, same offsets) runs once the lead's compaction job lands")
     # segment.ms=100: the fragment holding these records rolls over at the next append after 100 ms;
     # the active (open) fragment is never compacted, as Kafka's active segment
     time.sleep(0.2)

@@ -86,3 +86,17 @@ def remove_front_fragments(url: str, stream: str, n: int) -> int:
             await c.close()
 
     return asyncio.run(go())
+
+
+def compact(url: str, stream: str) -> dict:
+    """One forced compaction pass of ``stream`` (``streams.tools.compaction``); its report as a dict."""
+    from streams.tools import compaction
+
+    async def go():
+        c = await aclient.connect(url)
+        try:
+            return (await compaction.compact_stream(c, stream, force=True)).to_dict()
+        finally:
+            await c.close()
+
+    return asyncio.run(go())

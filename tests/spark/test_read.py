@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from .helpers import produce, remove_front_fragments
+from .helpers import compact, produce, remove_front_fragments
 
 pytestmark = pytest.mark.process
 
@@ -248,3 +248,28 @@ def test_streaming_topic_reads_partitions_added_later(spark, spark_cluster, scli
     again = _collect_batches(spark, url, None, ck, topics=stream_name, startingOffsets="earliest")
     rows = [(s, o, v) for _, _, rs in again for s, o, v in rs]
     assert sorted(rows) == [(f"{stream_name}:2", i, f"p2-{i}".encode()) for i in range(4)]  # from its first offset
+
+
+def test_a_compacted_stream_reads_with_gaps_and_no_data_loss(spark, spark_cluster, stream_name):
+    """As Spark's Kafka source on a compacted topic: the offsets compaction removed are skipped, at
+    the same offsets as before, and failOnDataLoss (the default, true) does not fire."""
+    url = spark_cluster.metadata_url
+    recs = [{"value": f"v{i}".encode(), "key": f"k{i % 4}".encode(), "timestamp_ms": 1_700_000_000_000 + i}
+            for i in range(40)]
+    pos = produce(url, stream_name, recs, per_entry=True,
+                  create={"fragment_entries_max": 8, "retention": {"cleanup_policy": "compact"}})
+    report = compact(url, stream_name)
+    assert report["records_out"] < report["records_in"]
+    rows = sorted(_reader(spark, url, streams=stream_name).collect(), key=lambda r: r.offset)
+    cleaned = report["cleaned_to"]
+    latest = {}  # each key's latest record below the offset the pass cleaned to
+    for r, o in zip(recs, pos):
+        if o < cleaned:
+            latest[r["key"]] = o
+    expected = sorted({o for o in latest.values() if o < cleaned} | {o for o in pos if o >= cleaned})
+    assert [r.offset for r in rows] == expected  # gaps below the cleaned offset, every record above it
+    assert all(r.value == recs[pos.index(r.offset)]["value"] for r in rows)
+    # a range starting at a removed offset begins at the next record that exists
+    removed = next(o for o in range(cleaned) if o not in expected)
+    part = _reader(spark, url, streams=stream_name, startingOffsets=json.dumps({stream_name: removed}))
+    assert sorted(r.offset for r in part.collect()) == [o for o in expected if o >= removed]

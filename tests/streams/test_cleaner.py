@@ -124,9 +124,10 @@ def test_an_open_transaction_ends_the_cleanable_range_before_it():
     assert scan.safe_fragments == 1 and scan.offsets == {b"a": 0}  # nothing past the open transaction counts
 
 
-def test_no_ops_and_holes_become_holes_and_a_non_batch_is_refused():
-    out, _ = clean([b"\x01" + bytes(8), HOLE, batch(2, [(b"a", b"1")])])
-    assert out.entries[:2] == [HOLE, HOLE]
+def test_no_ops_and_holes_stay_and_a_non_batch_is_refused():
+    noop = b"\x01" + bytes(8)
+    out, _ = clean([noop, HOLE, batch(2, [(b"a", b"1")])])
+    assert out.entries == [noop, HOLE, out.entries[2]] and not out.changed
     try:
         clean([b"\x00not a batch at all, but longer than nothing" * 2])
     except Exception as exc:  # noqa: BLE001

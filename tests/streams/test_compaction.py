@@ -226,3 +226,100 @@ def test_retention_and_compaction_compose_and_removed_compacted_fragments_take_t
         assert (await client.describe_stream(s)).fragments[0].first_offset == keep_from
         await client.close()
     run(go())
+
+
+def test_a_fragment_left_as_it_was_keeps_its_entries_when_later_ones_are_replaced(ccluster):
+    async def go():
+        client = await connect(ccluster.metadata_url)
+        s = name("unchanged-first")
+        await client.create_stream(s, fragment_entries_max=8, retention=dict(COMPACT))
+        p = await client.producer(s)
+        for i in range(7):  # fragment 0: the take-over's no-op and 7 keys written once: nothing to remove
+            await p.append_many([(b"once", f"u{i}".encode(), None, None)])
+        for i in range(30):  # then one key over and over
+            await p.append_many([(f"v{i}".encode(), b"k", None, None)])
+        await p.close()
+        rep = (await compaction.run_compaction(client, s, force=True, grace_s=0)).streams[0]
+        assert 0 not in rep.rewritten_fragments and rep.rewritten_fragments
+        info = await client.describe_stream(s)
+        assert info.fragments[0].data_ledger is None  # still the stream's own entries ...
+        got = await read_all(client, s)
+        assert [x.key for x in got[:7]] == [f"u{i}".encode() for i in range(7)]  # ... and they were not trimmed
+        assert got[-1].value == b"v29"
+        await client.close()
+    run(go())
+
+
+def test_a_pass_whose_claim_lapsed_before_its_switch_switches_nothing(ccluster):
+    async def go():
+        client = await connect(ccluster.metadata_url)
+        s = name("lapsed")
+        p, latest = await keyed(client, s, 40)
+        await p.close()
+        before = await read_all(client, s)
+        ledgers = client.cluster.ledgers
+        lapse = asyncio.Event()
+
+        def fault(step):
+            if step == "written":
+                lapse.set()
+
+        async def expire():  # the pass is stopped at "written" while its claim runs out
+            def edit(_meta, state):
+                state["claim"] = {**state["claim"], "until_ms": 0}
+                return True
+            await compaction._edit_state(ledgers, (await ledgers.get_ledger(s))[0].ledger_id, edit)
+
+        orig = compaction._switch
+
+        async def switch_after_lapse(*a, **kw):
+            assert lapse.is_set()
+            await expire()
+            return await orig(*a, **kw)
+
+        compaction._switch = switch_after_lapse
+        try:
+            with pytest.raises(compaction.CompactionIncomplete, match="lapsed"):
+                await compaction.compact_stream(client, s, force=True, _fault=fault)
+        finally:
+            compaction._switch = orig
+        assert await read_all(client, s) == before  # the old view, whole
+        info = await client.describe_stream(s)
+        assert all(f.data_ledger is None for f in info.fragments)
+        mine = [n for n in await data_ledgers(client)
+                if n.startswith(f"{compaction.DATA_PREFIX}{info.meta.ledger_id:012d}/")]
+        assert mine == []  # its unused data ledgers were deleted
+        await client.close()
+    run(go())
+
+
+def test_a_crash_between_two_switch_chunks_leaves_a_readable_prefix_and_a_rerun_converges(ccluster, monkeypatch):
+    async def go():
+        monkeypatch.setattr(compaction, "_SWITCH_BATCH", 2)
+        client = await connect(ccluster.metadata_url)
+        s = name("chunks")
+        p, latest = await keyed(client, s, 60)
+        await p.close()
+
+        class Crash(Exception):
+            pass
+
+        def fault(step):
+            if step == "switched a chunk":
+                raise Crash(step)
+
+        with pytest.raises(Crash):
+            await compaction.compact_stream(client, s, force=True, _fault=fault)
+        info = await client.describe_stream(s)
+        assert [f.data_ledger is not None for f in info.fragments[:3]] == [True, True, False]  # one chunk in
+        assert {x.key: (x.offset, x.value) for x in await read_all(client, s)} == latest
+        mine = [n for n in await data_ledgers(client)
+                if n.startswith(f"{compaction.DATA_PREFIX}{info.meta.ledger_id:012d}/")]
+        assert len(mine) == 2  # the switched chunk's; the others were deleted when the pass failed
+        meta, _ = await client.cluster.ledgers.get_ledger(s)
+        claim = meta.retention[COMPACTION].get("claim")  # released unless the process died
+        await compaction.compact_stream(client, s, force=True, now_ms=claim["until_ms"] + 1 if claim else None)
+        after = await read_all(client, s)
+        assert {x.key: (x.offset, x.value) for x in after} == latest
+        await client.close()
+    run(go())
