@@ -135,20 +135,34 @@ async def _read_ids(bc, ledger_id: int, ids: list[int]) -> dict[int, Entry | str
     return out
 
 
+async def _home(cluster, meta: LedgerMeta, f: Fragment) -> tuple[int, int, int]:
+    """Where ``f``'s entries live: (ledger id, shift from the stream's entry ids to that ledger's,
+    term for recovery adds there). A compacted fragment's entries are in its data ledger
+    (``Fragment.data_ledger``, see streams/tools/compaction.py), one to one from ``data_first_entry``."""
+    if f.data_ledger is None:
+        return meta.ledger_id, 0, meta.term
+    dmeta, _ = await cluster.ledgers.get_ledger(f.data_ledger)
+    return f.data_ledger, f.data_first_entry - f.first_entry_id, dmeta.term
+
+
 async def _copies(cluster, meta: LedgerMeta, f: Fragment, first: int, last: int) -> dict[int, dict[str, Entry | str]]:
-    """entry id -> {bookie of its write set -> its copy or why not}, for ids first..last of f."""
+    """entry id -> {bookie of its write set -> its copy or why not}, for ids first..last of f (the
+    stream's entry ids, wherever the copies live)."""
     wq = meta.config.write_quorum
     need: dict[str, list[int]] = {}
     for eid in range(first, last + 1):
         for b in write_set(eid, f.ensemble, wq):
             need.setdefault(b, []).append(eid)
     live = {r.bookie_id for r in await cluster.refresh_bookies(max_age_s=1.0)}
+    ledger_id, shift, _term = await _home(cluster, meta, f)
 
     async def one(b: str, ids: list[int]):
         bc = cluster.client(b)
         if bc is None or b not in live:
             return b, {eid: "bookie not registered" for eid in ids}
-        return b, await _read_ids(bc, meta.ledger_id, ids)
+        got = await _read_ids(bc, ledger_id, [eid + shift for eid in ids])
+        return b, {eid - shift: (dataclasses.replace(c, entry_id=eid - shift) if isinstance(c, Entry) else c)
+                   for eid, c in got.items()}
 
     answers = dict(await asyncio.gather(*(one(b, ids) for b, ids in need.items())))
     out: dict[int, dict[str, Entry | str]] = {}
@@ -329,18 +343,20 @@ async def _sources(cluster, meta: LedgerMeta, f: Fragment, ids: list[int], exclu
     return out
 
 
-async def _write_copies(cluster, meta: LedgerMeta, target: str, entries: list[Entry]) -> None:
-    """Recovery adds of ``entries`` to ``target`` at the ledger's term (see the module docstring)."""
+async def _write_copies(cluster, meta: LedgerMeta, f: Fragment, target: str, entries: list[Entry]) -> None:
+    """Recovery adds of ``entries`` (of ``f``) to ``target`` at the term of the ledger they live in
+    (see the module docstring)."""
     bc = cluster.client(target)
     if bc is None:
         raise AdminError(f"bookie {target} is not reachable")
+    ledger_id, shift, term = await _home(cluster, meta, f)
     for i in range(0, len(entries), _READ_BATCH):
         chunk = entries[i:i + _READ_BATCH]
-        reqs = [AddRequest(meta.ledger_id, e.entry_id, meta.term, -1, -1, e.data, False, True) for e in chunk]
+        reqs = [AddRequest(ledger_id, e.entry_id + shift, term, -1, -1, e.data, False, True) for e in chunk]
         res = await bc.submit(reqs)
         if not res.all_ok:
             bad = [(r.entry_id, res.status(j)) for j, r in enumerate(reqs) if res.status(j) != 0]
-            raise AdminError(f"bookie {target} refused {len(bad)} copies of ledger {meta.ledger_id} "
+            raise AdminError(f"bookie {target} refused {len(bad)} copies of ledger {ledger_id} "
                              f"(first: entry {bad[0][0]} status {bad[0][1]}; {res.error})")
 
 
@@ -361,7 +377,7 @@ async def _refill(cluster, meta: LedgerMeta, f: Fragment, slot: int, target: str
         if lost:
             raise AdminError(f"stream {meta.name!r} fragment {f.index}: no replica holds entries {lost[:5]}"
                              f"{'…' if len(lost) > 5 else ''}")
-        await _write_copies(cluster, meta, target, [src[e] for e in chunk])
+        await _write_copies(cluster, meta, f, target, [src[e] for e in chunk])
         copied += len(chunk)
     return copied
 
@@ -549,7 +565,8 @@ async def _move(client, meta: LedgerMeta, f: Fragment, bookie_id: str) -> dict:
         bc = cluster.client(target)
         if bc is not None and ids:
             try:
-                await bc.trim(meta.ledger_id, ids[0], ids[-1])  # do not leave the copies behind
+                ledger_id, shift, _term = await _home(cluster, meta, f)
+                await bc.trim(ledger_id, ids[0] + shift, ids[-1] + shift)  # do not leave the copies behind
             except BookieError:
                 pass
         meta, _ = await _meta(client, meta.name)

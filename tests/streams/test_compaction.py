@@ -323,3 +323,34 @@ def test_a_crash_between_two_switch_chunks_leaves_a_readable_prefix_and_a_rerun_
         assert {x.key: (x.offset, x.value) for x in after} == latest
         await client.close()
     run(go())
+
+
+def test_check_and_fix_see_a_compacted_fragments_copies_in_its_data_ledger(ccluster):
+    """``scroll check`` counts a compacted fragment's copies where they live, and ``--fix`` puts a
+    lost copy back there (not under the stream's own ledger id)."""
+    from bookie.client import BookieClient
+    from streams.tools import admin
+
+    async def go():
+        client = await connect(ccluster.metadata_url)
+        s = name("check-fix")
+        p, latest = await keyed(client, s, 30)
+        await p.close()
+        await compaction.compact_stream(client, s, force=True)
+        assert await admin.check(client, stream=s) == []  # every copy found, in the data ledgers
+        f = (await client.describe_stream(s)).fragments[0]
+        victim = f.ensemble[0]
+        port = ccluster.bookie_ports[int(victim.rsplit("-", 1)[1])]
+        async with BookieClient(f"127.0.0.1:{port}") as bc:
+            await bc.delete_ledger(f.data_ledger)  # one replica of fragment 0's data lost
+        (rep,) = await admin.check(client, stream=s)
+        assert rep["fragment"] == f.index and rep["under_replicated"] == f.last_entry_id - f.first_entry_id + 1
+        (fixed,) = await admin.check(client, fix=True, stream=s)
+        assert fixed["copied"] == rep["under_replicated"] and not fixed.get("error"), fixed
+        assert await admin.check(client, stream=s) == []
+        async with BookieClient(f"127.0.0.1:{port}") as bc:
+            r = await bc.read(f.data_ledger, f.data_first_entry, f.data_first_entry)
+            assert r.entries  # the copy is back in the data ledger on that bookie
+        assert {x.key: (x.offset, x.value) for x in await read_all(client, s)} == latest
+        await client.close()
+    run(go())
