@@ -95,14 +95,6 @@ class Fragment:
     def sealed(self) -> bool:
         return self.last_entry_id is not None
 
-    @property
-    def compacted(self) -> bool:
-        return self.data_ledger is not None
-
-    def data_entry(self, entry_id: int) -> int:
-        """The entry id that holds ``entry_id``'s data in the ledger its entries live in."""
-        return entry_id if self.data_ledger is None else entry_id - self.first_entry_id + self.data_first_entry
-
     def contains(self, entry_id: int) -> bool:
         if entry_id < self.first_entry_id:
             return False
