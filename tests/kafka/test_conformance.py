@@ -236,3 +236,55 @@ def test_txn_offset_commit_with_an_unknown_transactional_id_is_refused_as_kafka_
             topics=(TxnOffsetCommitRequestTopic(name=topic, partitions=(TxnOffsetCommitRequestPartition(
                 partition_index=0, committed_offset=1, committed_leader_epoch=-1, committed_metadata=""),)),)))
     assert r.topics[0].partitions[0].error_code == ErrorCode.invalid_producer_id_mapping
+
+
+def test_a_restarted_static_member_of_a_classic_group_rejoins_without_a_rebalance(shim, topic):
+    """KIP-345 with a real classic-protocol client (librdkafka): a static member that restarts gets
+    its partitions back and the other member sees no rebalance at all (no revoke, no new assign)."""
+    import time
+
+    from confluent_kafka import Consumer
+
+    admin = AdminClient({"bootstrap.servers": shim.bootstrap})  # kept alive: its futures die with it
+    admin.create_topics([NewTopic(topic, 4, 1)])[topic].result(30)
+    group = f"static-{topic}"
+    events: dict[str, list] = {"a": [], "b": [], "b2": []}
+
+    def member(name: str, instance: str) -> Consumer:
+        c = Consumer({"bootstrap.servers": shim.bootstrap, "group.id": group, "group.instance.id": instance,
+                      "session.timeout.ms": 45000, "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+        c.subscribe([topic], on_assign=lambda _c, ps: events[name].append(("assign", sorted(p.partition for p in ps))),
+                    on_revoke=lambda _c, ps: events[name].append(("revoke", sorted(p.partition for p in ps))))
+        return c
+
+    def poll_until(cs, cond, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, events
+            for c in cs:
+                c.poll(0.1)
+
+    def assigned(name):
+        got = [ps for kind, ps in events[name] if kind == "assign"]
+        return got[-1] if got else None
+
+    a, b = member("a", "ia"), member("b", "ib")
+    b2 = None
+    try:
+        poll_until([a, b], lambda: assigned("a") and assigned("b")
+                   and sorted(assigned("a") + assigned("b")) == [0, 1, 2, 3])
+        before_a = list(events["a"])
+        theirs = assigned("b")
+        b.close()  # a static member leaves no LeaveGroup behind: the group waits for it
+        b = None
+        b2 = member("b2", "ib")
+        poll_until([a, b2], lambda: assigned("b2") is not None)
+        assert assigned("b2") == theirs
+        for _ in range(20):  # a keeps polling a while: nothing may reach it
+            a.poll(0.1)
+        assert events["a"] == before_a, events
+    finally:
+        a.close()
+        for c in (b, b2):
+            if c is not None:
+                c.close()
