@@ -32,6 +32,7 @@ import functools
 import itertools
 import logging
 import sys
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,7 @@ log = logging.getLogger(__name__)
 
 _REFRESH_SOME = "some"  # see Broker._caught_up_now
 SNAPSHOT_CONCURRENCY = 32  # producer-state snapshot writes in flight at once
+TOPIC_IDS_TTL_S = 30.0  # how long a topic id -> name entry is trusted (Fetch v13+ names topics by id)
 TOPIC_FOR_OPEN_S = 1.0  # partitions opened within this long of each other share one read of their topic
 # How old this listener's knowledge of a topic's cleanup.policy may get (a produce to a compacted topic
 # decodes its batches to refuse records without a key; an alter on this listener applies at once)
@@ -165,6 +167,8 @@ class Broker:
         self._open_slots = asyncio.Semaphore(self.config.max_concurrent_opens)
         self._topic_reads: dict[str, tuple[float, asyncio.Future]] = {}  # see _topic_for_open
         self._compacted: dict[str, tuple[float, bool]] = {}  # topic -> (loop time read, compact?)
+        self._topic_ids: dict[uuid.UUID, tuple[float, str]] = {}  # topic id -> (loop time listed, name)
+        self._topic_ids_listed_at = -1e9
         self._snapshotter: asyncio.Task | None = None  # one for all partitions (see _snapshot_loop)
         self._snapshot_candidates: set[PartitionLog] = set()  # appended to (or opened) since its last round
         self._snapshot_wanted = asyncio.Event()
@@ -355,7 +359,26 @@ class Broker:
             exc.record_errors = [(i, msg) for i in errors]
             raise exc
 
+    async def topic_names(self, ids) -> dict[uuid.UUID, str]:
+        """Topic id -> name for those of ``ids`` that exist (Fetch v13+ names topics by id). An id not
+        in the map has every topic listed (at most once a second); an entry older than
+        ``TOPIC_IDS_TTL_S`` is confirmed by its name's own record (a topic deleted elsewhere, or
+        deleted and created again under a new id, is forgotten within that long)."""
+        now = asyncio.get_running_loop().time()
+        known = self._topic_ids
+        if any(i not in known for i in ids) and now - self._topic_ids_listed_at >= 1.0:
+            self._topic_ids_listed_at = now
+            known.update({m.topic_id: (now, m.name) for m in await self.topics()})
+        for i in [i for i in ids if i in known and now - known[i][0] > TOPIC_IDS_TTL_S]:
+            m = await self.topic(known[i][1])
+            if m is not None and m.topic_id == i:
+                known[i] = (now, m.name)
+            else:
+                del known[i]
+        return {i: known[i][1] for i in ids if i in known}
+
     async def delete_topic(self, meta: TopicMeta) -> None:
+        self._topic_ids.pop(meta.topic_id, None)
         self._topic_reads.pop(meta.name, None)
         self.topic_configs_changed(meta.name)
         for p in range(meta.partitions):
@@ -651,6 +674,7 @@ class Broker:
         topic_cls = nested(resp_cls, "MetadataResponseTopic")
         part_cls = nested(resp_cls, "MetadataResponsePartition")
         c = self.config
+        now = asyncio.get_running_loop().time()
         if req.topics is None or (version == 0 and not req.topics):
             metas = [(m.name, m) for m in await self.topics()]
         else:
@@ -685,6 +709,7 @@ class Broker:
                                    leader_epoch=-1, replica_nodes=(leader,), isr_nodes=(leader,), offline_replicas=()))
             topics.append(build(topic_cls, error_code=ErrorCode.none, name=m.name, topic_id=m.topic_id,
                                 is_internal=False, partitions=tuple(parts)))
+            self._topic_ids[m.topic_id] = (now, m.name)  # the id a client will fetch by (Fetch v13+)
         listener = codec.current_listener()
         brokers = tuple(build(broker_cls, node_id=b.node_id, host=b.at(listener)[0], port=b.at(listener)[1], rack=None)
                         for b in live)
@@ -835,12 +860,19 @@ class Broker:
         wait_s = min(max(req.max_wait.total_seconds(), 0.0), self.config.max_fetch_wait_ms / 1000)
         deadline = loop.time() + wait_s
         max_bytes = max(1, min(req.max_bytes, self.config.max_fetch_bytes))
-        wanted = [((t.topic, p.partition), p.fetch_offset, p.partition_max_bytes) for t in req.topics
-                  for p in t.partitions]
+        names: dict[uuid.UUID, str] | None = None  # v13+: topics named by id
+        if resp_cls.__version__ >= 13:
+            names = await self.topic_names({t.topic_id for t in req.topics}
+                                           | {f.topic_id for f in getattr(req, "forgotten_topics_data", ())})
+        unknown = [t for t in req.topics if names is not None and t.topic_id not in names]
+        wanted = [((names[t.topic_id] if names is not None else t.topic, p.partition), p.fetch_offset,
+                   p.partition_max_bytes) for t in req.topics for p in t.partitions
+                  if names is None or t.topic_id in names]
         session, full = None, True
         sid, epoch = getattr(req, "session_id", 0), getattr(req, "session_epoch", -1)  # v7+
         if (sid or epoch != -1) and (self.config.fetch_sessions or epoch > 0):
-            forgotten = [(f.topic, p) for f in getattr(req, "forgotten_topics_data", ()) for p in f.partitions]
+            forgotten = [(names.get(f.topic_id) if names is not None else f.topic, p)
+                         for f in getattr(req, "forgotten_topics_data", ()) for p in f.partitions]
             try:
                 session, full = self.fetch_sessions.begin(sid, epoch, wanted, forgotten, loop.time())
             except SessionError as exc:
@@ -878,7 +910,16 @@ class Broker:
                         await w
         if resp_cls.__version__ < 4:  # v0-3 clients read magic 0 (v0-1) / 1 (v2-3) messages only
             rows = self._down_convert(rows, {tp: off for tp, off, _max in wanted}, 0 if resp_cls.__version__ < 2 else 1)
-        topics = self._fetch_answer(resp_cls, rows, session if not full else None)
+        ids = None
+        if names is not None:
+            ids = {name: i for i, (_at, name) in self._topic_ids.items()}
+        topics = self._fetch_answer(resp_cls, rows, session if not full else None, ids)
+        if unknown:  # Kafka answers a topic id it does not know per partition, with UNKNOWN_TOPIC_ID
+            part_cls = nested(resp_cls, "PartitionData")
+            topics += tuple(build(nested(resp_cls, "FetchableTopicResponse"), topic_id=t.topic_id, partitions=tuple(
+                build(part_cls, partition_index=p.partition, error_code=ErrorCode.unknown_topic_id, high_watermark=-1,
+                      last_stable_offset=-1, log_start_offset=-1, aborted_transactions=(), preferred_read_replica=-1,
+                      records=b"") for p in t.partitions)) for t in unknown)
         if session is not None and full:  # the session remembers what its full answer said
             for t, parts in rows:
                 for index, records, error, hw, start, lso, _aborted in parts:
@@ -918,6 +959,16 @@ class Broker:
                     if attempt == 2 or plog.usable:
                         raise
                     continue  # another writer took the stream over: serve it read-only from now on
+                except NoSuchLedger:
+                    # the stream was deleted by another client (and maybe created again): forget the
+                    # open partition, so the next read opens what the name holds now
+                    if self._logs.get((topic, index)) is plog:
+                        del self._logs[(topic, index)]
+                        self._topic_reads.pop(topic, None)
+                        asyncio.ensure_future(plog.close())
+                    if attempt == 2:
+                        raise UnknownTopicOrPartition(f"{topic} partition {index} was deleted") from None
+                    continue
                 follower = plog if not plog.writable and offset >= plog.high_watermark else None
                 lso = plog.last_stable_offset
                 aborted = plog.txns.aborted_between(offset, lso) if committed and records else ()
@@ -970,10 +1021,10 @@ class Broker:
         return rows, total, errors, followers
 
     @staticmethod
-    def _fetch_answer(resp_cls, rows, incremental: FetchSession | None) -> tuple:
+    def _fetch_answer(resp_cls, rows, incremental: FetchSession | None, ids: dict[str, uuid.UUID] | None = None) -> tuple:
         """The response's topics; for an ``incremental`` session fetch only the partitions with
         records, an error, or a changed high watermark, last stable offset or log start
-        (``FetchSession.must_answer``)."""
+        (``FetchSession.must_answer``). ``ids``: topic name -> id, for v13+ (topics by id)."""
         topic_cls = nested(resp_cls, "FetchableTopicResponse")
         part_cls = nested(resp_cls, "PartitionData")
         aborted_cls = nested(resp_cls, "AbortedTransaction")
@@ -988,7 +1039,8 @@ class Broker:
                    if incremental is None
                    or incremental.must_answer((t, index), bool(records), error is not None, hw, lso, start)]
             if out:
-                topics.append(topic_cls(topic=t, partitions=tuple(out)))
+                topics.append(build(topic_cls, topic=t, topic_id=ids.get(t) if ids is not None else None,
+                                    partitions=tuple(out)))
         return tuple(topics)
 
     def _caught_up_now(self, topic: str, index: int, offset: int, refresh):

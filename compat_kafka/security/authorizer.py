@@ -266,17 +266,27 @@ async def _produce(az: Authorizer, req, resp_cls, call):
     return None if req.acks == 0 else resp  # acks=0: no answer, refused or not
 
 
-async def _fetch(az, req, resp_cls, call):
-    def deny(t):
-        return _parts(resp_cls, "FetchableTopicResponse", "PartitionData", "topic", "partitions", "partition_index",
-                      TOPIC_DENIED, t.topic, [p.partition for p in t.partitions], high_watermark=-1,
-                      last_stable_offset=-1, log_start_offset=-1, aborted_transactions=None, records=None)
+async def _fetch(az, broker, req, resp_cls, call):
+    by_id = resp_cls.__version__ >= 13  # topics named by id (KIP-516): READ is checked on their names
+    names = await broker.topic_names({t.topic_id for t in req.topics}) if by_id else {}
 
-    ok = lambda t: az.allowed(TOPIC, t.topic, Operation.READ)  # noqa: E731
+    def name(t):
+        return names.get(t.topic_id) if by_id else t.topic
+
+    def deny(t):
+        return _parts(resp_cls, "FetchableTopicResponse", "PartitionData", "topic_id" if by_id else "topic",
+                      "partitions", "partition_index", TOPIC_DENIED, t.topic_id if by_id else t.topic,
+                      [p.partition for p in t.partitions], high_watermark=-1, last_stable_offset=-1,
+                      log_start_offset=-1, aborted_transactions=None, records=None)
+
+    # an id that names no topic is the handler's to answer (UNKNOWN_TOPIC_ID, as Kafka)
+    ok = lambda t: (by_id and name(t) is None) or az.allowed(TOPIC, name(t), Operation.READ)  # noqa: E731
     if req.topics and not any(ok(t) for t in req.topics):  # answered at once (no long poll)
         return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none,
                      session_id=getattr(req, "session_id", 0), responses=tuple(deny(t) for t in req.topics))
     resp = await _split(call, req, resp_cls, "topics", "responses", ok, deny)
+    if by_id:  # a session's answer may name topics this request did not
+        names |= await broker.topic_names({t.topic_id for t in resp.responses} - names.keys())
     # an incremental fetch session (KIP-227) serves partitions added by earlier requests: what READ no
     # longer allows is answered TOPIC_AUTHORIZATION_FAILED without its records
     if any(not ok(t) and t.partitions and t.partitions[0].error_code != TOPIC_DENIED for t in resp.responses):
@@ -566,7 +576,6 @@ async def _own_check(az, req, resp_cls, call):  # the handler checks (ACL and SC
 GUARDS = {
     codec.API_API_VERSIONS: _free,
     codec.API_PRODUCE: _produce,
-    codec.API_FETCH: _fetch,
     codec.API_LIST_OFFSETS: _list_offsets,
     codec.API_METADATA: None,  # needs the broker (see check)
     codec.API_CREATE_TOPICS: _create_topics,
@@ -614,6 +623,8 @@ async def check(az: Authorizer, broker, req: codec.Request, resp_cls, handler):
         return await _metadata(az, broker, req.body, resp_cls, call)
     if req.api_key == codec.API_DELETE_TOPICS:
         return await _delete_topics(az, broker, req.body, resp_cls, call)
+    if req.api_key == codec.API_FETCH:
+        return await _fetch(az, broker, req.body, resp_cls, call)
     guard = GUARDS.get(req.api_key)
     if guard is None:
         guard = _cluster_whole(Operation.ALTER)

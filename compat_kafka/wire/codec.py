@@ -95,11 +95,11 @@ API_ALTER_USER_SCRAM_CREDENTIALS = 51
 # kio 0.6.5 is generated from Kafka 4.x, which dropped the oldest versions: the ones it lacks
 # (Produce 0-2, Fetch 0-3, ListOffsets 0, OffsetCommit 0-1, OffsetFetch 0, CreateTopics 0-1,
 # DeleteTopics 0, WriteTxnMarkers 0, Describe/Create/DeleteAcls 0, DescribeConfigs 0) are derived
-# here from kio's oldest one (``_OLD_VERSIONS``). Not served: Fetch 13-17 (topic ids in place of
-# names; clients fall back to 12).
+# here from kio's oldest one (``_OLD_VERSIONS``). Fetch 13-17 name topics by id (resolved by
+# ``Broker.topic_names``).
 SUPPORTED: dict[int, tuple[int, int]] = {
     API_PRODUCE: (0, 12),  # v0-2: magic 0/1 message sets, converted (batches.py)
-    API_FETCH: (0, 12),  # v0-3: down-converted to magic 0/1 messages (batches.py)
+    API_FETCH: (0, 17),  # v0-3: down-converted to magic 0/1 messages (batches.py); v13+: topics by id
     API_LIST_OFFSETS: (0, 9),
     API_METADATA: (0, 12),
     API_API_VERSIONS: (0, 4),

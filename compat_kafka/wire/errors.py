@@ -49,6 +49,11 @@ class UnknownTopicOrPartition(KafkaError):
     retriable = True
 
 
+class UnknownTopicId(KafkaError):
+    code = ErrorCode.unknown_topic_id
+    retriable = True
+
+
 class NotLeaderOrFollower(KafkaError):
     code = ErrorCode.not_leader_or_follower
     retriable = True

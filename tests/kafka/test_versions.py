@@ -20,12 +20,12 @@ pytestmark = pytest.mark.process
 
 # Kafka 3.9.0's validVersions for the APIs the listener implements (clients/src/main/resources/
 # common/message/*Request.json); we serve at least these.
-KAFKA_39 = {0: (0, 11), 1: (0, 12), 2: (0, 9), 3: (0, 12), 8: (0, 9), 9: (0, 9), 10: (0, 6), 11: (0, 9),
+KAFKA_39 = {0: (0, 11), 1: (0, 17), 2: (0, 9), 3: (0, 12), 8: (0, 9), 9: (0, 9), 10: (0, 6), 11: (0, 9),
             12: (0, 4), 13: (0, 5), 14: (0, 5), 15: (0, 5), 16: (0, 5), 17: (0, 1), 18: (0, 4), 19: (0, 7),
             20: (0, 6), 21: (0, 2), 22: (0, 5), 24: (0, 5), 25: (0, 4), 26: (0, 4), 27: (0, 1), 28: (0, 4),
             29: (0, 3), 30: (0, 3), 31: (0, 3), 32: (0, 4), 33: (0, 2), 36: (0, 2), 37: (0, 3), 42: (0, 2),
             44: (0, 1), 47: (0, 0), 50: (0, 0), 51: (0, 0), 60: (0, 1), 65: (0, 0), 66: (0, 1), 68: (0, 0),
-            69: (0, 0)}  # Fetch: 3.9 serves 0-17; 13-17 (topic ids) are not served here
+            69: (0, 0)}
 
 
 def req(api_key: int, version: int, /, **values):
@@ -71,7 +71,7 @@ def test_api_versions_out_of_range_gets_v0_unsupported_version(shim):
         assert call(s, req(18, 4, client_software_name="t", client_software_version="1"), 8).error_code == 0
 
 
-@pytest.mark.parametrize("key_version", ["0001" "000d", "0003" "000e", "0013" "0008"])  # Fetch 13, Metadata 14, CreateTopics 8
+@pytest.mark.parametrize("key_version", ["0001" "0012", "0003" "000e", "0013" "0008"])  # Fetch 18, Metadata 14, CreateTopics 8
 def test_other_api_out_of_range_closes_the_connection(shim, key_version):
     with connect(shim) as s:
         s.sendall(codec.frame(bytes.fromhex(key_version + "00000001" "ffff" "00")))
@@ -132,11 +132,11 @@ def _produce(s, version: int, topic: str, records: bytes):
     return resp.responses[0].partition_responses[0]
 
 
-def _fetch(s, version: int, topic: str, offset: int):
+def _fetch(s, version: int, topic: str, offset: int, topic_id=None):
     fp = sub(1, version, "FetchPartition", partition=0, fetch_offset=offset, partition_max_bytes=1 << 20)
-    ft = sub(1, version, "FetchTopic", topic=topic, partitions=(fp,))
+    ft = sub(1, version, "FetchTopic", topic=topic, topic_id=topic_id, partitions=(fp,))
     resp = call(s, req(1, version, replica_id=-1, max_wait=datetime.timedelta(milliseconds=100), min_bytes=1,
-                       max_bytes=1 << 20, topics=(ft,)))
+                       max_bytes=1 << 20, topics=(ft,), forgotten_topics_data=(), rack_id=""))
     p = resp.responses[0].partitions[0]
     out, magics = [], set()
     mr = MemoryRecords(bytes(p.records or b""))
@@ -258,3 +258,63 @@ def test_kafka_python_pinned_to_an_old_broker_version(shim, topic, api_version):
         consumer.commit()
     finally:
         consumer.close()
+
+
+def test_fetch_13_to_17_name_topics_by_id(shim, topic):
+    """Fetch v13+ (KIP-516) names topics by the id Metadata gives; an unknown id is UNKNOWN_TOPIC_ID."""
+    import uuid
+
+    with connect(shim) as s:
+        _create(s, 7, topic)
+        assert _produce(s, 9, topic, _batch([b"a", b"b", b"c"])).error_code == ErrorCode.none
+        t = sub(3, 12, "MetadataRequestTopic", name=topic, topic_id=None)
+        meta = call(s, req(3, 12, topics=(t,), allow_auto_topic_creation=False,
+                           include_topic_authorized_operations=False))
+        topic_id = meta.topics[0].topic_id
+        for version in (13, 15, 17):
+            p, recs, _ = _fetch(s, version, topic, 1, topic_id=topic_id)
+            assert p.error_code == ErrorCode.none and p.high_watermark == 3, (version, p)
+            assert recs == [(0, b"a"), (1, b"b"), (2, b"c")]  # the batch holding offset 1, whole
+        fp = sub(1, 13, "FetchPartition", partition=0, fetch_offset=0, partition_max_bytes=1 << 20)
+        ft = sub(1, 13, "FetchTopic", topic_id=uuid.uuid4(), partitions=(fp,))
+        resp = call(s, req(1, 13, max_wait=datetime.timedelta(milliseconds=10), min_bytes=1, max_bytes=1 << 20,
+                           topics=(ft,), forgotten_topics_data=(), rack_id=""))
+        assert [x.partitions[0].error_code for x in resp.responses] == [ErrorCode.unknown_topic_id]
+        assert resp.responses[0].topic_id == ft.topic_id
+
+
+def test_fetch_by_the_id_of_a_topic_deleted_elsewhere_is_unknown_topic_id(shim, kafka_cluster, topic, monkeypatch):
+    """An id the listener learnt, of a topic then deleted and created again by another client (a new
+    id, the same name), is not served from the new topic: its entry is confirmed once stale."""
+    import asyncio
+
+    import compat_kafka.broker as broker_mod
+    from streams.client import connect as aconnect
+
+    def topic_id(s):
+        t = sub(3, 12, "MetadataRequestTopic", name=topic, topic_id=None)
+        return call(s, req(3, 12, topics=(t,), allow_auto_topic_creation=False,
+                           include_topic_authorized_operations=False)).topics[0].topic_id
+
+    async def recreate():
+        c = await aconnect(kafka_cluster.metadata_url)
+        try:
+            await c.delete_topic(topic)
+            await c.create_topic(topic, 1)
+        finally:
+            await c.close()
+
+    with connect(shim) as s:
+        _create(s, 7, topic)
+        old = topic_id(s)
+        p, _, _ = _fetch(s, 13, topic, 0, topic_id=old)
+        assert p.error_code == ErrorCode.none
+        asyncio.run(recreate())
+        monkeypatch.setattr(broker_mod, "TOPIC_IDS_TTL_S", 0.0)  # every entry stale at once
+        p, _, _ = _fetch(s, 13, topic, 0, topic_id=old)
+        assert p.error_code == ErrorCode.unknown_topic_id
+        new = topic_id(s)
+        assert new != old
+        deadline = time.monotonic() + 20  # a new id is listed at most once a second: clients retry
+        while (got := _fetch(s, 13, topic, 0, topic_id=new)[0]).error_code != ErrorCode.none:
+            assert time.monotonic() < deadline, got
