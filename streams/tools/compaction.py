@@ -113,7 +113,6 @@ class StreamCompaction:
     markers_dropped: int = 0
     cleaned_to: int | None = None
     lag_ms: int | None = None  # age of the oldest dirty record
-    swept: list[str] = field(default_factory=list)
     skipped: str | None = None
     seconds: float = 0.0
 
@@ -131,13 +130,14 @@ class StreamCompaction:
 class CompactionReport:
     streams: list[StreamCompaction]
     dry_run: bool = False
+    swept: list[str] = field(default_factory=list)  # unreferenced data ledgers the sweep deleted
 
     @property
     def bytes_reclaimed(self) -> int:
         return sum(s.bytes_reclaimed for s in self.streams)
 
     def to_dict(self) -> dict:
-        return {"dry_run": self.dry_run, "bytes_reclaimed": self.bytes_reclaimed,
+        return {"dry_run": self.dry_run, "bytes_reclaimed": self.bytes_reclaimed, "swept": self.swept,
                 "streams": [s.to_dict() for s in self.streams]}
 
 
@@ -187,7 +187,7 @@ async def run_compaction(client, stream: str | None = None, dry_run: bool = Fals
             continue
         try:
             rep = await compact_stream(client, m.name, policy, dry_run=dry_run, force=force, now_ms=now_ms,
-                                       grace_s=grace_s, claim_ttl_s=claim_ttl_s, _fault=_fault)
+                                       claim_ttl_s=claim_ttl_s, _fault=_fault)
         except NoSuchLedger:
             continue
         except (MetadataError, ScrollError, BookieError, CompactionIncomplete) as exc:
@@ -196,24 +196,24 @@ async def run_compaction(client, stream: str | None = None, dry_run: bool = Fals
             log.warning("stream=%s compaction skipped: %s", m.name, exc)
             rep = StreamCompaction(m.name, m.ledger_id, dry_run, skipped=str(exc))
         reports.append(rep)
-    if stream is None and not dry_run:
-        await sweep(client, metas, grace_s=grace_s, now_ms=now_ms)
-    return CompactionReport(reports, dry_run)
+    swept = await sweep(client, metas, grace_s=grace_s, now_ms=now_ms) if stream is None and not dry_run else []
+    return CompactionReport(reports, dry_run, swept)
 
 
 async def compact_stream(client, name: str, policy: CompactionPolicy | None = None, *, dry_run: bool = False,
-                         force: bool = False, now_ms: int | None = None, grace_s: float = GRACE_S,
-                         claim_ttl_s: float = CLAIM_TTL_S, _fault=None) -> StreamCompaction:
+                         force: bool = False, now_ms: int | None = None, claim_ttl_s: float = CLAIM_TTL_S,
+                         _fault=None) -> StreamCompaction:
+    """One stream's pass, when due (``force``: whatever the dirty ratio); see the module docstring."""
     started = time.monotonic()
     ledgers: LedgerStore = client.cluster.ledgers
-    meta, version = await ledgers.get_ledger(name)
+    meta, _ = await ledgers.get_ledger(name)
     policy = policy or CompactionPolicy.from_dict(meta.retention)
     now = int(time.time() * 1000) if now_ms is None else now_ms
     rep = StreamCompaction(name, meta.ledger_id, dry_run)
     state = dict(meta.retention.get(COMPACTION) or {})
     if state.get("superseded") and not dry_run:
         await _clean_superseded(client, meta.ledger_id)
-        meta, version = await ledgers.get_ledger(meta.ledger_id)
+        meta, _ = await ledgers.get_ledger(meta.ledger_id)
         state = dict(meta.retention.get(COMPACTION) or {})
     if not policy.compact:
         rep.why = "cleanup.policy does not compact"

@@ -354,3 +354,40 @@ def test_check_and_fix_see_a_compacted_fragments_copies_in_its_data_ledger(cclus
         assert {x.key: (x.offset, x.value) for x in await read_all(client, s)} == latest
         await client.close()
     run(go())
+
+
+def test_the_sweep_deletes_a_dead_passs_data_ledgers_only_after_the_grace_and_its_claim(ccluster):
+    """A pass that died after writing leaves data ledgers nothing references: the sweep keeps them
+    while younger than the grace or while their pass holds the stream's claim, then deletes them."""
+    import time as _time
+
+    async def go():
+        client = await connect(ccluster.metadata_url)
+        s = name("sweep")
+        p, _ = await keyed(client, s, 20)
+        await p.close()
+        meta, _ = await client.cluster.ledgers.get_ledger(s)
+        f = (await client.describe_stream(s)).fragments[0]
+        reader = await compaction._reader(client, meta, [f])
+        entries = [e.data async for e in compaction._entries(reader, f)]
+        made = int(_time.time() * 1000)
+        orphan = await compaction._write_data_ledger(client, meta, f, entries, made, "deadpass")  # then it "died"
+        names = [n for n in await data_ledgers(client) if "-deadpass-" in n]
+        assert len(names) == 1
+        assert await compaction.sweep(client, grace_s=3600) == []  # younger than the grace
+        claimed = await compaction._claim(client.cluster.ledgers, meta.ledger_id, "deadpass", made, 3600)
+        assert claimed is not None
+        assert await compaction.sweep(client, grace_s=0) == []  # its pass still holds the claim
+        await compaction._release(client.cluster.ledgers, meta.ledger_id, "deadpass")
+        report = await compaction.run_compaction(client, grace_s=0)
+        assert names[0] in report.swept
+        assert [n for n in await data_ledgers(client) if "-deadpass-" in n] == []
+        from bookie.client import BookieClient
+        from bookie.errors import NoSuchEntryError, NoSuchLedgerError
+        for b in orphan.ensemble:  # and its entries are gone from its bookies
+            port = ccluster.bookie_ports[int(b.rsplit("-", 1)[1])]
+            async with BookieClient(f"127.0.0.1:{port}") as bc:
+                with pytest.raises((NoSuchEntryError, NoSuchLedgerError)):
+                    await bc.read(orphan.data_ledger, orphan.data_first_entry, orphan.data_first_entry)
+        await client.close()
+    run(go())
