@@ -90,6 +90,8 @@ class Fragment:
     data_ledger: int | None = None
     data_first_entry: int = 0
     compacted_ms: int | None = None  # when the compaction that wrote it switched it in
+    # Tiered storage: the fragment's object-store state (see fragments/tier.py); None: bookies only.
+    tier: dict | None = field(default=None, hash=False)
 
     @property
     def sealed(self) -> bool:
@@ -105,6 +107,8 @@ class Fragment:
         d["ensemble"] = list(self.ensemble)
         if self.data_ledger is None:  # a fragment of its own entries: the record stays as it was
             del d["data_ledger"], d["data_first_entry"], d["compacted_ms"]
+        if self.tier is None:
+            del d["tier"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
