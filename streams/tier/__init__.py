@@ -1,0 +1,1 @@
+"""Tiered storage: sealed fragments in an S3-compatible object store."""
