@@ -179,3 +179,6 @@ def to_release(fragments: Sequence[Fragment], policy: TierPolicy, total: Retenti
         if local(f):
             out.append(f)
     return out
+
+
+TIER_CONFIG_KEY = "/scroll/tier/config"  # the cluster's object store: TierConfig.to_dict() as JSON (no secrets)
