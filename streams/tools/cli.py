@@ -877,6 +877,100 @@ def compaction_run(stream_name, dry_run, force, metadata, as_json):
     click.echo(f"reclaimed {_size(report.bytes_reclaimed)} (per replica)")
 
 
+# ---------------------------------------------------------------------------------------- tier
+@main.group()
+def tier() -> None:
+    """Tiered storage: sealed fragments offloaded to the object store (Kafka's remote.storage.enable).
+
+    \b
+    Examples:
+      scroll tier run --dry-run
+      scroll tier run --stream orders
+      scroll tier status
+    """
+
+
+@tier.command("run")
+@click.option("--stream", "stream_name", default=None, help="Only this stream (default: every stream with remote storage on).")
+@click.option("--dry-run", is_flag=True, help="Say what would be offloaded and released; change nothing.")
+@metadata_option
+@json_option
+def tier_run(stream_name, dry_run, metadata, as_json):
+    """Offload sealed fragments, release bookie copies the local policy lets go, sweep orphan objects."""
+    from .tier import run_tier
+
+    report = _arun(metadata, lambda c: run_tier(c, stream_name, dry_run))
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+        return
+    if not report.configured:
+        raise click.ClickException("the cluster has no object store configured (scroll standalone runs one; "
+                                   "a cluster names its own with `scroll tier configure`)")
+    from rich.table import Table
+
+    t = Table("stream", "to offload", "offloaded", "to release", "released", "bytes offloaded", "note",
+              title=f"tier {'(dry run)' if dry_run else ''}")
+    for s in report.streams:
+        t.add_row(s.stream, _span(s.to_offload), _span(s.offloaded + s.adopted), _span(s.to_release),
+                  _span(s.released), _size(s.bytes_offloaded), s.skipped or "", style="yellow" if s.skipped else None)
+    _console().print(t)
+    if report.swept:
+        click.echo(f"swept {len(report.swept)} unreferenced object(s)")
+
+
+@tier.command("status")
+@click.option("--stream", "stream_name", default=None, help="Only this stream.")
+@metadata_option
+@json_option
+def tier_status(stream_name, metadata, as_json):
+    """Per stream: fragments and bytes on bookies only, offloaded (still local), remote only, uploading."""
+    from .tier import tier_status as status
+
+    rows = _arun(metadata, lambda c: status(c, stream_name))
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    from rich.table import Table
+
+    t = Table("stream", "remote storage", "local only", "offloaded+local", "remote only", "uploading",
+              "bytes on bookies", "bytes in objects", title="tier")
+    for r in rows:
+        t.add_row(r["stream"], "on" if r["remote_storage_enable"] else "off", str(r["local_only"]),
+                  str(r["offloaded_local"]), str(r["remote_only"]), str(r["uploading"]),
+                  _size(r["bytes_local"]), _size(r["bytes_remote"]))
+    _console().print(t)
+
+
+@tier.command("configure")
+@click.option("--endpoint", required=True, help="The S3 endpoint URL (http://host:port or https://...).")
+@click.option("--bucket", required=True)
+@click.option("--prefix", default="scroll", show_default=True, help="Every object key starts with PREFIX/.")
+@click.option("--region", default="us-east-1", show_default=True)
+@click.option("--credentials-file", default=None,
+              help="A file with the access key id and secret (two lines, or JSON). Default: the environment "
+                   "(SCROLL_S3_ACCESS_KEY_ID/SCROLL_S3_SECRET_ACCESS_KEY or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY). "
+                   "Every process that offloads or reads needs it: it is never stored in the metadata.")
+@click.option("--ca-file", default=None, help="A PEM CA for an https endpoint with a private CA.")
+@metadata_option
+def tier_configure(endpoint, bucket, prefix, region, credentials_file, ca_file, metadata):
+    """Name the cluster's object store (checked first: wrong credentials or a missing bucket fail here)."""
+    from ..tier.objstore import ObjectStore, ObjectStoreError, TierConfig
+    from .tier import save_tier_config
+
+    cfg = TierConfig(endpoint=endpoint, bucket=bucket, prefix=prefix, region=region,
+                     credentials_file=credentials_file, ca_file=ca_file)
+
+    async def go(c):
+        try:
+            await ObjectStore(cfg).check()
+        except ObjectStoreError as exc:
+            raise click.ClickException(str(exc)) from None
+        await save_tier_config(c.cluster.store, cfg)
+
+    _arun(metadata, go)
+    click.echo(f"object store set: {endpoint} bucket {bucket} prefix {prefix}/")
+
+
 @retention.command("show")
 @click.argument("stream_name", metavar="STREAM")
 @metadata_option

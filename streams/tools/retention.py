@@ -67,6 +67,7 @@ from fragments.ledgers import LedgerStore, NoSuchLedger, fragment_key, meta_key
 from fragments.model import Fragment, LedgerMeta
 from fragments.retention import DELETING, Decision, InvalidPolicy, Policy, evaluate
 from fragments.store import MetadataError
+from fragments.tier import local as tier_local
 
 from ..batches import RecordFormatError, stored_batch
 from ..consumer import Consumer
@@ -280,12 +281,16 @@ async def _run_stream(client, name: str, override: Policy | None, dry_run: bool,
             "below_index": decision.new_first_index,
             "below_entry": decision.new_earliest_entry,
             "below_offset": decision.new_earliest,
-            "bookies": sorted({b for f in decision.remove for b in f.ensemble if f.data_ledger is None}),
+            "bookies": sorted({b for f in decision.remove for b in f.ensemble
+                               if f.data_ledger is None and tier_local(f)}),
             "started_ms": now,
         }
         compacted = [[f.data_ledger, list(f.ensemble)] for f in decision.remove if f.data_ledger is not None]
         if compacted:  # their entries live in data ledgers of their own (streams/tools/compaction.py)
             new_mark["data_ledgers"] = compacted
+        objects = [f.tier["key"] for f in decision.remove if f.tier and f.tier.get("key")]
+        if objects:  # offloaded (or being offloaded) to the object store (streams/tools/tier.py)
+            new_mark["objects"] = objects
         retention = dict(meta.retention)
         retention[DELETING] = new_mark
         marked = meta.with_(first_fragment_index=decision.new_first_index, retention=retention)
@@ -396,9 +401,28 @@ async def _finish(client, ledger_id: int, mark: dict, progress: Progress | None,
     if failed:
         raise RetentionIncomplete(f"could not trim entries < {below} on {'; '.join(failed)}; "
                                   f"the deletion mark stays and the next run retries")
+    if mark.get("objects"):
+        await _delete_objects(client, ledger_id, mark["objects"])
     if fault:
         fault("trimmed")
     return await _drop(cluster.ledgers, ledger_id, mark)
+
+
+async def _delete_objects(client, ledger_id: int, keys: list[str]) -> None:
+    """Delete the removed fragments' objects (idempotent). One the store does not delete now is
+    left to the tier sweep, which deletes unreferenced objects after its grace period: retention
+    does not wait for an object store that is down."""
+    from ..tier.objstore import ObjectStoreError
+    from .tier import delete_objects, object_store_of
+
+    try:
+        objects = await object_store_of(client)
+        failed = await delete_objects(objects, keys) if objects is not None else [f"{len(keys)} objects: no store"]
+    except (ObjectStoreError, MetadataError) as exc:
+        failed = [str(exc)]
+    if failed:
+        log.warning("ledger=%d retention: objects not deleted now, the tier sweep deletes them later: %s",
+                    ledger_id, "; ".join(failed)[:500])
 
 
 async def _drop(ledgers: LedgerStore, ledger_id: int, mark: dict) -> list[int]:
