@@ -509,8 +509,8 @@ async def _update_policy(client, stream_name: str, edit: Callable[[dict], None])
             Policy.from_dict(_policy_part(retention))
         except InvalidPolicy as exc:
             raise InvalidArgument(str(exc)) from exc
-        if any(meta.retention.get(k) != retention.get(k) for k in TIER_KEYS):
-            check_tier(meta.retention, retention)  # the tier keys too (fragments/tier.py), as Kafka checks them
+        if any(meta.retention.get(k) != retention.get(k) for k in (*TIER_KEYS, "max_age_s", "max_bytes")):
+            check_tier(meta.retention, retention)  # the tier policy with the limits (fragments/tier.py), as Kafka
         new = meta.with_(retention=retention)
         if await ledgers.cas_ledger(new, (), version) is not None:
             return new
