@@ -20,6 +20,10 @@ stored and reported:
   values other than Kafka's defaults are written). A ``compact`` topic refuses records without a
   key (``broker.py``), and retention by age or size applies only to topics whose policy includes
   ``delete``.
+- ``remote.storage.enable``, ``local.retention.ms`` and ``local.retention.bytes`` (KIP-405; -2: as
+  retention.*, -1: no limit) become the stream's tier policy (``fragments/tier.py``: the keys of the
+  same names with ``_``, non-defaults only), checked by ``fragments.tier.validate_change`` as Kafka
+  3.9 checks them (not on a compacted topic, local not above total, never turned off once on).
 - ``segment.bytes`` (at least ``MIN_SEGMENT_BYTES``) and ``segment.ms`` become the rollover caps of
   each stream (``LedgerConfig.fragment_bytes_max`` / ``fragment_age_max_ms``); a ``compact`` topic's
   age cap is min(segment.ms, max.compaction.lag.ms) (Kafka rolls the active segment for
