@@ -20,6 +20,10 @@ stored and reported:
   values other than Kafka's defaults are written). A ``compact`` topic refuses records without a
   key (``broker.py``), and retention by age or size applies only to topics whose policy includes
   ``delete``.
+- ``remote.storage.enable``, ``local.retention.ms`` and ``local.retention.bytes`` (KIP-405; -2: as
+  retention.*, -1: no limit) become the stream's tier policy (``fragments/tier.py``: the keys of the
+  same names with ``_``, non-defaults only), checked by ``fragments.tier.validate_change`` as Kafka
+  3.9 checks them (not on a compacted topic, local not above total, never turned off once on).
 - ``segment.bytes`` (at least ``MIN_SEGMENT_BYTES``) and ``segment.ms`` become the rollover caps of
   each stream (``LedgerConfig.fragment_bytes_max`` / ``fragment_age_max_ms``); a ``compact`` topic's
   age cap is min(segment.ms, max.compaction.lag.ms) (Kafka rolls the active segment for
@@ -56,7 +60,8 @@ from fragments.compaction import (
 )
 from fragments.ledgers import NoSuchLedger
 from fragments.model import LedgerConfig
-from streams.errors import NoSuchTopic
+from fragments.tier import InvalidTierPolicy, validate_change
+from streams.errors import InvalidArgument, NoSuchTopic
 from streams.topics import (  # noqa: F401 - compaction_policy is part of this module's interface
     DEFAULT_SEGMENT_BYTES,
     RETENTION_KEYS,
@@ -167,6 +172,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "min.compaction.lag.ms": (0, None), "max.compaction.lag.ms": (1, None),
     "min.cleanable.dirty.ratio": (0, 1), "delete.retention.ms": (0, None),
     "segment.bytes": (MIN_SEGMENT_BYTES, None), "segment.ms": (1, None),
+    "local.retention.ms": (-2, None), "local.retention.bytes": (-2, None),
 }
 
 
@@ -189,8 +195,10 @@ def check_topic_configs(configs: dict[str, str | None]) -> dict[str, str]:
                 n = float(value)
                 if n != n:
                     raise ValueError(value)
-            elif kind == T_BOOLEAN and value.lower() not in ("true", "false"):
-                raise ValueError(value)
+            elif kind == T_BOOLEAN:
+                if value.strip().lower() not in ("true", "false"):
+                    raise ValueError(value)
+                value = value.strip().lower()
         except ValueError:
             raise InvalidConfig(f"config {name}: {value!r} is not a valid {_TYPE_NAMES[kind]}") from None
         if name in _RANGES:
@@ -218,6 +226,18 @@ def check_topic_configs(configs: dict[str, str | None]) -> dict[str, str]:
         raise InvalidConfig(f"conflict topic configs: min.compaction.lag.ms ({lo}) must not be greater than "
                             f"max.compaction.lag.ms ({hi})")
     return out
+
+
+def check_tier_configs(configs: dict[str, str], old: dict[str, str] | None = None) -> None:
+    """remote.storage.enable / local.retention.* against the topic's other configs (``configs``:
+    checked, with the broker's log.retention.* defaults filled in), as Kafka 3.9 checks them, by
+    ``fragments.tier.validate_change`` (the native API's check too): not on a compacted topic,
+    local.retention.* not above retention.*, and not turned off once on (``old``: the configs
+    before the change). InvalidConfig."""
+    try:
+        validate_change(retention_policy(old) if old is not None else None, retention_policy(configs))
+    except InvalidTierPolicy as exc:
+        raise InvalidConfig(str(exc)) from None
 
 
 _TYPE_NAMES = {T_BOOLEAN: "boolean", T_STRING: "string", T_INT: "int", T_SHORT: "short", T_LONG: "long",
@@ -326,6 +346,19 @@ class Admin:
 
     async def auto_create_topics(self) -> bool:
         return (await self.setting("auto.create.topics.enable")) == "true"
+
+    async def check_tier(self, configs: dict[str, str], old: dict[str, str] | None = None,
+                         topic: TopicMeta | None = None) -> None:
+        """``check_tier_configs`` of checked topic configs with the broker's defaults in force;
+        ``topic`` (the record as it would be written): its partition streams too (remote storage
+        turned on natively stays on)."""
+        defaults = await self.topic_configs_in_force({})
+        check_tier_configs({**defaults, **configs}, None if old is None else {**defaults, **old})
+        if topic is not None:
+            try:
+                await self.client.check_tier_streams(topic, retention_policy({**defaults, **configs}))
+            except InvalidArgument as exc:
+                raise InvalidConfig(str(exc)) from None
 
     async def topic_configs_in_force(self, configs: dict[str, str]) -> dict[str, str]:
         """A topic's configs with the broker's log.retention.* defaults filled in where it sets none."""
@@ -499,6 +532,9 @@ class Admin:
             "segment.ms": (str(KAFKA_LONG_MAX), T_LONG),  # no age cap unless set (Kafka's is 7 days)
             "retention.ms": ("-1", T_LONG),
             "retention.bytes": ("-1", T_LONG),
+            "remote.storage.enable": ("false", T_BOOLEAN),
+            "local.retention.ms": ("-2", T_LONG),
+            "local.retention.bytes": ("-2", T_LONG),
             "max.message.bytes": (str(max_msg), T_INT),
             "compression.type": ("producer", T_STRING),
             "message.timestamp.type": ("CreateTime", T_STRING),
@@ -528,6 +564,10 @@ class Admin:
             "log.cleaner.delete.retention.ms": (str(DEFAULT_DELETE_RETENTION_MS), T_LONG),
             "log.segment.bytes": (str(DEFAULT_SEGMENT_BYTES), T_INT),
             "log.roll.ms": (str(KAFKA_LONG_MAX), T_LONG),
+            # tiered storage (KIP-405): offered wherever a tier is configured; topics turn it on
+            "remote.log.storage.system.enable": ("true", T_BOOLEAN),
+            "log.local.retention.ms": ("-2", T_LONG),
+            "log.local.retention.bytes": ("-2", T_LONG),
         }
         if g is not None:
             out.update({
@@ -599,12 +639,17 @@ class Admin:
     async def _alter_topic(self, name: str, edit: Callable[[dict[str, str]], dict[str, str]],
                            validate_only: bool) -> None:
         old: dict[str, str] = {}
+        defaults = await self.topic_configs_in_force({})
 
         def change(t: TopicMeta) -> TopicMeta:
             old.clear()
             old.update(t.configs)
-            return TopicMeta(t.name, t.partitions, t.topic_id, check_topic_configs(edit(dict(t.configs))))
+            configs = check_topic_configs(edit(dict(t.configs)))
+            check_tier_configs({**defaults, **configs}, {**defaults, **t.configs})
+            return TopicMeta(t.name, t.partitions, t.topic_id, configs)
 
+        preview = change(await self._topic_record(name))  # the partition streams' tier first: nothing written yet
+        await self.check_tier(dict(preview.configs), old, preview)
         new = await self._update_topic(name, change, validate_only)
         if not validate_only:
             self.broker.topic_configs_changed(name)
@@ -682,8 +727,8 @@ class Admin:
             return
         # streams first (leftovers reused), then the record's count: never a partition without a stream
         grown = await self.client.add_partitions(name, count)
-        await self.apply_retention(name, range(current, grown.partitions), dict(grown.configs),
-                                   caps=any(k in grown.configs for k in SEGMENT_KEYS))
+        await self.apply_retention(name, range(current, grown.partitions),
+                                   await self.topic_configs_in_force(dict(grown.configs)), caps=any(k in grown.configs for k in SEGMENT_KEYS))
         log.info("topic=%s grown from %d to %d partitions", name, current, grown.partitions)
 
     async def create_partitions(self, req, resp_cls):

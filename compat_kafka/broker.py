@@ -304,6 +304,7 @@ class Broker:
         if await self.topic(name) is not None:
             raise TopicAlreadyExists(f"topic {name!r} already exists")
         configs = check_topic_configs(configs)  # InvalidConfig
+        await self.admin.check_tier(configs)  # remote.storage.enable / local.retention.* with the others
         if validate_only:
             return TopicMeta(name, partitions, configs=configs)
         c = self.config

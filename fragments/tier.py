@@ -87,20 +87,35 @@ class TierPolicy:
 
 
 def validate(retention: Mapping) -> None:
-    """Refuse combinations Kafka refuses: remote storage on a compacted topic, and a local limit
-    above the total one (KIP-405: local.retention.ms <= retention.ms, same for bytes)."""
+    """Refuse combinations Kafka refuses (3.9 ``LogConfig.validate``, when remote storage is on):
+    remote storage on a compacted topic, and a local limit above the total one (KIP-405:
+    local.retention.ms <= retention.ms, same for bytes; with a total limit set, a local -1, no
+    limit, is above it too). -2 (as the total) is always allowed."""
     tp = TierPolicy.from_dict(retention)
     if not tp.remote_storage_enable:
         return
     if "compact" in normalise_cleanup_policy(retention.get("cleanup_policy", "delete")).split(","):
-        raise InvalidTierPolicy("remote storage is not supported for compacted topics (cleanup.policy=compact)")
+        raise InvalidTierPolicy("Remote log storage is unsupported for the compacted topics")
     total = RetentionPolicy.from_dict(retention)
-    if tp.local_retention_ms >= 0 and total.max_age_s is not None and tp.local_retention_ms > total.max_age_s * 1000:
-        raise InvalidTierPolicy(f"local.retention.ms ({tp.local_retention_ms}) must be <= retention.ms "
-                                f"({int(total.max_age_s * 1000)})")
-    if tp.local_retention_bytes >= 0 and total.max_bytes is not None and tp.local_retention_bytes > total.max_bytes:
-        raise InvalidTierPolicy(f"local.retention.bytes ({tp.local_retention_bytes}) must be <= retention.bytes "
-                                f"({total.max_bytes})")
+    total_ms = None if total.max_age_s is None else int(total.max_age_s * 1000)
+    for name, local, limit, kafka in (("ms", tp.local_retention_ms, total_ms, "retention.ms"),
+                                      ("bytes", tp.local_retention_bytes, total.max_bytes, "retention.bytes")):
+        if limit is None or local == USE_TOTAL:
+            continue
+        if local == UNLIMITED:
+            raise InvalidTierPolicy(f"local.retention.{name} must not be -1 (no limit) as {kafka} is set "
+                                    f"({limit}): use -2 (as {kafka}) or a value <= {limit}")
+        if local > limit:
+            raise InvalidTierPolicy(f"local.retention.{name} ({local}) must not be more than {kafka} ({limit})")
+
+
+def validate_change(old: Mapping | None, new: Mapping) -> None:
+    """Refuse turning remote storage off once it is on (Kafka 3.9 refuses it without
+    remote.log.delete.on.disable, which is not offered here), then ``validate(new)``."""
+    if TierPolicy.from_dict(old).remote_storage_enable and not TierPolicy.from_dict(new).remote_storage_enable:
+        raise InvalidTierPolicy("disabling remote storage is not supported: delete the topic, or keep it enabled "
+                                "with local.retention.* = -2 (bookies keep what retention keeps)")
+    validate(new)
 
 
 # ------------------------------------------------------------------------------- fragment state

@@ -26,8 +26,11 @@ from fragments.compaction import POLICY_KEYS as COMPACTION_KEYS
 from fragments.ledgers import LedgerExists, NoSuchLedger
 from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
+from fragments.retention import POLICY_KEYS as RETENTION_POLICY_KEYS
 from fragments.security import ClientSecurity
 from fragments.stores import open_store
+from fragments.tier import POLICY_KEYS as TIER_POLICY_KEYS
+from fragments.tier import InvalidTierPolicy, TierPolicy, validate_change
 
 from .cluster import Cluster
 from .consumer import EARLIEST, Consumer
@@ -56,6 +59,19 @@ from .topics import (
     rollover_caps,
     topic_key,
 )
+
+# what a new partition takes over from partition 0's retention: the policies, not the jobs' state
+# nor keep_from (a record offset of partition 0's)
+_COPIED_POLICY_KEYS = tuple(k for k in (*RETENTION_POLICY_KEYS, *COMPACTION_KEYS, *TIER_POLICY_KEYS)
+                            if k != "keep_from")
+
+
+def check_tier(old: dict | None, new: dict) -> None:
+    """``fragments.tier.validate_change`` of a stream's retention dict, as InvalidArgument."""
+    try:
+        validate_change(old, new)
+    except InvalidTierPolicy as exc:
+        raise InvalidArgument(str(exc)) from exc
 
 MAX_ENTRY_BYTES = 1 << 20
 
@@ -102,7 +118,11 @@ class ScrollClient:
         settings (Kafka's, in its units; ``fragments.compaction.CompactionPolicy``) are stored in the
         stream's retention policy; a ``compact`` stream refuses records without a key. A compact
         stream's ``max_compaction_lag_ms`` also caps its fragments' age (with ``fragment_age_max_ms``,
-        Kafka's segment.ms: the open fragment rolls over once its first entry is that old)."""
+        Kafka's segment.ms: the open fragment rolls over once its first entry is that old).
+
+        The tier policy (``fragments.tier.TierPolicy``: ``remote_storage_enable``,
+        ``local_retention_ms``, ``local_retention_bytes``, ``offload_lag_ms``) is given in
+        ``retention`` too, and checked as Kafka checks remote.storage.enable / local.retention.*."""
         given = dict(cleanup_policy=cleanup_policy, min_compaction_lag_ms=min_compaction_lag_ms,
                      max_compaction_lag_ms=max_compaction_lag_ms, min_cleanable_dirty_ratio=min_cleanable_dirty_ratio,
                      delete_retention_ms=delete_retention_ms)
@@ -155,6 +175,7 @@ class ScrollClient:
             except ValueError as exc:  # not a number, or out of range (InvalidCompactionPolicy)
                 raise InvalidArgument(f"topic configs {configs}: {exc}") from exc
             retention = {**{k: v for k, v in (retention or {}).items() if k not in RETENTION_KEYS}, **acting} or None
+        check_tier(None, retention or {})
         try:
             config = LedgerConfig(ensemble, write_quorum, ack_quorum, fragment_bytes_max, fragment_entries_max,
                                   fragment_age_max_ms)
@@ -222,7 +243,8 @@ class ScrollClient:
         act to every partition stream: retention and compaction policy (``LedgerMeta.retention``)
         and, when segment.* / max.compaction.lag.ms / cleanup.policy changed, the rollover caps
         (``LedgerConfig``; a live writer takes them within ``driver.CAPS_REFRESH_S`` while active).
-        The Kafka listener's AlterConfigs does the same with Kafka's own checks."""
+        The Kafka listener's AlterConfigs does the same with Kafka's own checks. Remote storage, once
+        on (in the configs or on any partition stream), stays on (``fragments.tier.validate_change``)."""
         set_configs = {str(k): str(v) for k, v in (set_configs or {}).items()}
         if "cleanup.policy" in set_configs:
             try:
@@ -239,17 +261,63 @@ class ScrollClient:
             old.update(t.configs)
             new = {k: v for k, v in {**t.configs, **set_configs}.items() if k not in delete}
             try:
-                retention_policy(new)
+                policy = retention_policy(new)
                 rollover_caps(new)
             except ValueError as exc:
                 raise InvalidArgument(f"topic configs {new}: {exc}") from exc
+            check_tier(retention_policy(t.configs), policy)
             return TopicMeta(t.name, t.partitions, t.topic_id, new)
+
+        await self.check_tier_streams(change(cur))
 
         meta = await self.update_topic(name, change)
         caps = any(old.get(k) != meta.configs.get(k) for k in SEGMENT_KEYS)
         for s in meta.streams():
             await self._apply_configs(s, meta.configs, caps)
         return meta
+
+    async def check_tier_streams(self, topic: TopicMeta, policy: dict | None = None) -> None:
+        """Refuse configs that would turn remote storage off on a partition stream that has it on
+        (set natively, or by earlier configs). ``policy``: the retention keys the configs ask for."""
+        policy = retention_policy(topic.configs) if policy is None else policy
+        for s in topic.streams():
+            try:
+                meta, _ = await self.cluster.ledgers.get_ledger(s)
+            except NoSuchLedger:
+                continue
+            check_tier(meta.retention, {**{k: v for k, v in meta.retention.items() if k not in RETENTION_KEYS},
+                                        **policy})
+
+    async def set_tier_policy(self, stream: str, *, remote_storage_enable: bool | None = None,
+                              local_retention_ms: int | None = None, local_retention_bytes: int | None = None,
+                              offload_lag_ms: int | None = None) -> LedgerMeta:
+        """Change one stream's tier policy (settings not given are kept; Kafka's units and ranges:
+        ``fragments.tier.TierPolicy``), by CAS of its record's ``retention``. Checked as Kafka
+        checks a topic's: not with compaction, local limits not above retention's, and remote storage
+        once on stays on (InvalidArgument). Returns the stream's new record."""
+        given = dict(remote_storage_enable=remote_storage_enable, local_retention_ms=local_retention_ms,
+                     local_retention_bytes=local_retention_bytes, offload_lag_ms=offload_lag_ms)
+        given = {k: v for k, v in given.items() if v is not None}
+        default = TierPolicy().to_dict()
+        ledgers = self.cluster.ledgers
+        for _ in range(50):
+            try:
+                meta, version = await ledgers.get_ledger(stream)
+            except NoSuchLedger:
+                raise NoSuchStream(f"no stream named {stream!r}") from None
+            retention = dict(meta.retention)
+            for k, v in given.items():
+                if v == default[k] and type(v) is type(default[k]):
+                    retention.pop(k, None)  # a stream stores only what differs from the defaults
+                else:
+                    retention[k] = v
+            check_tier(meta.retention, retention)
+            if retention == meta.retention:
+                return meta
+            new = meta.with_(retention=retention)
+            if await ledgers.cas_ledger(new, (), version) is not None:
+                return new
+        raise ScrollError(f"stream {stream!r}: its record kept changing; try again")
 
     async def _apply_configs(self, stream: str, configs: dict[str, str], caps: bool) -> None:
         policy = retention_policy(configs)
@@ -282,8 +350,9 @@ class ScrollClient:
         if total <= cur.partitions or total > MAX_PARTITIONS:
             raise InvalidArgument(f"topic {name!r} has {cur.partitions} partitions; cannot grow it to {total}")
         first, _ = await self.cluster.ledgers.get_ledger(partition_stream(name, 0))
+        retention = {k: v for k, v in first.retention.items() if k in _COPIED_POLICY_KEYS}
         for p in range(cur.partitions, total):
-            await self._create_partition_stream(partition_stream(name, p), first.config, first.retention or None,
+            await self._create_partition_stream(partition_stream(name, p), first.config, retention or None,
                                                 reuse=True)
         if await self.cluster.store.get(topic_key(name)) is None:
             await self.cluster.store.create(topic_key(name), cur.encode())

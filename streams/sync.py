@@ -146,6 +146,12 @@ class SyncClient:
     def add_partitions(self, name: str, total: int):
         return self._loop.run(self._c.add_partitions(name, total))
 
+    def alter_topic_configs(self, name: str, set_configs=None, delete=()):
+        return self._loop.run(self._c.alter_topic_configs(name, set_configs, delete))
+
+    def set_tier_policy(self, stream: str, **kw):
+        return self._loop.run(self._c.set_tier_policy(stream, **kw))
+
     def live_bookies(self):
         return self._loop.run(self._c.live_bookies())
 

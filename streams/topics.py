@@ -26,6 +26,7 @@ from aiokafka.partitioner import murmur2
 from fragments.compaction import DEFAULT_DELETE_RETENTION_MS, DEFAULT_DIRTY_RATIO, KAFKA_LONG_MAX, CompactionPolicy
 from fragments.compaction import POLICY_KEYS as COMPACTION_KEYS
 from fragments.model import LedgerConfig
+from fragments.tier import USE_TOTAL, TierPolicy
 
 TOPICS = "/scroll/topics/"
 MAX_PARTITIONS = 10_000
@@ -41,7 +42,9 @@ class InvalidTopicName(ValueError):
 # and lets CompactionPolicy / LedgerConfig refuse what is out of range)
 DEFAULT_SEGMENT_BYTES = LedgerConfig().fragment_bytes_max
 SEGMENT_KEYS = ("segment.bytes", "segment.ms", "max.compaction.lag.ms", "cleanup.policy")  # what the caps follow
-RETENTION_KEYS = ("max_age_s", "max_bytes", *COMPACTION_KEYS)  # the retention keys topic configs own
+# the tier keys topic configs own (KIP-405's three; ``offload_lag_ms`` is native only and kept as set)
+TIER_KEYS = ("remote_storage_enable", "local_retention_ms", "local_retention_bytes")
+RETENTION_KEYS = ("max_age_s", "max_bytes", *COMPACTION_KEYS, *TIER_KEYS)  # the retention keys topic configs own
 
 
 def compaction_policy(configs: dict[str, str]) -> CompactionPolicy:
@@ -56,10 +59,22 @@ def compaction_policy(configs: dict[str, str]) -> CompactionPolicy:
     )
 
 
+def tier_policy(configs: dict[str, str]) -> TierPolicy:
+    """The tier policy the topic configs ask for: remote.storage.enable, local.retention.ms/.bytes
+    (KIP-405; offload_lag_ms at its default, topic configs do not set it)."""
+    enable = str(configs.get("remote.storage.enable", "false")).strip().lower()
+    if enable not in ("true", "false"):
+        raise ValueError(f"remote.storage.enable must be true or false, not {enable!r}")
+    return TierPolicy(remote_storage_enable=enable == "true",
+                      local_retention_ms=int(configs.get("local.retention.ms", USE_TOTAL)),
+                      local_retention_bytes=int(configs.get("local.retention.bytes", USE_TOTAL)))
+
+
 def retention_policy(configs: dict[str, str]) -> dict:
-    """The stream retention keys the topic configs ask for ({} for no limit and no compaction):
-    ``max_age_s`` / ``max_bytes`` (fragments/retention.py) and the compaction policy's keys other
-    than their defaults (fragments/compaction.py)."""
+    """The stream retention keys the topic configs ask for ({} for no limit, no compaction and no
+    tier): ``max_age_s`` / ``max_bytes`` (fragments/retention.py), and the compaction policy's
+    (fragments/compaction.py) and tier policy's (``TIER_KEYS``, fragments/tier.py) keys other than
+    their defaults."""
     out: dict = {}
     ms = int(configs.get("retention.ms", "-1"))
     nbytes = int(configs.get("retention.bytes", "-1"))
@@ -68,6 +83,8 @@ def retention_policy(configs: dict[str, str]) -> dict:
     if nbytes >= 0:
         out["max_bytes"] = nbytes
     out.update(compaction_policy(configs).to_dict())
+    tier, default = tier_policy(configs).to_dict(), TierPolicy().to_dict()
+    out.update({k: tier[k] for k in TIER_KEYS if tier[k] != default[k]})
     return out
 
 

@@ -186,6 +186,59 @@ def _stream_options(fn):
     return fn
 
 
+def _tier_options(fn):
+    """The tier policy's options (Kafka's remote.storage.enable and local.retention.*, KIP-405), for
+    ``stream create`` and ``retention set``."""
+    for opt in reversed([
+        click.option("--remote-storage/--no-remote-storage", "remote_storage", default=None,
+                     help="Offload sealed fragments to the object store (Kafka remote.storage.enable). "
+                          "Once on it stays on."),
+        click.option("--local-retention", metavar="DURATION",
+                     help="Keep offloaded fragments on bookies this long (e.g. 1h; -2: as long as retention "
+                          "keeps them, the default; -1: no limit)."),
+        click.option("--local-retention-bytes", metavar="SIZE",
+                     help="Keep the newest this much on bookies (e.g. 1GiB; -2: as retention, the default; -1: "
+                          "no limit)."),
+        click.option("--offload-lag", metavar="DURATION",
+                     help="Offload a sealed fragment once its newest record is this old (e.g. 10m; default 0)."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _tier_dict(remote_storage, local_retention, local_retention_bytes, offload_lag) -> dict:
+    """The tier settings given on the command line, as ``LedgerMeta.retention`` keys (Kafka's units)."""
+    from fragments.retention import InvalidPolicy, parse_duration, parse_size
+
+    def special(text: str) -> int | None:
+        return int(text.strip()) if text.strip() in ("-1", "-2") else None
+
+    out: dict = {}
+    try:
+        if remote_storage is not None:
+            out["remote_storage_enable"] = remote_storage
+        if local_retention is not None:
+            v = special(local_retention)
+            out["local_retention_ms"] = v if v is not None else round(parse_duration(local_retention) * 1000)
+        if local_retention_bytes is not None:
+            v = special(local_retention_bytes)
+            out["local_retention_bytes"] = v if v is not None else parse_size(local_retention_bytes)
+        if offload_lag is not None:
+            out["offload_lag_ms"] = round(parse_duration(offload_lag) * 1000)
+    except InvalidPolicy as exc:
+        raise click.BadParameter(str(exc)) from exc
+    return out
+
+
+def _tier_policy(retention: dict) -> dict:
+    from fragments.tier import TierPolicy
+
+    try:
+        return TierPolicy.from_dict(retention).to_dict()
+    except ValueError as exc:
+        return {"invalid": str(exc)}
+
+
 def _retention_dict(max_age, max_bytes) -> dict | None:
     retention = {}
     if max_age is not None:
@@ -198,18 +251,28 @@ def _retention_dict(max_age, max_bytes) -> dict | None:
 @stream.command("create")
 @click.argument("name")
 @_stream_options
+@_tier_options
 @metadata_option
 @json_option
 def stream_create(name, ensemble, write_quorum, ack_quorum, fragment_bytes, fragment_entries, retention_max_age,
-                  retention_max_bytes, metadata, as_json):
-    """Create a stream (a one-partition topic of the same name, readable by Kafka clients)."""
+                  retention_max_bytes, remote_storage, local_retention, local_retention_bytes, offload_lag, metadata,
+                  as_json):
+    """Create a stream (a one-partition topic of the same name, readable by Kafka clients).
+
+    \b
+    Example (tiered: offload after 10 minutes, keep 1 hour or 1 GiB on bookies):
+      scroll stream create clicks --retention-max-age 604800 --remote-storage \\
+        --local-retention 1h --local-retention-bytes 1GiB --offload-lag 10m
+    """
     from ..errors import ScrollError
 
+    retention = {**(_retention_dict(retention_max_age, retention_max_bytes) or {}),
+                 **_tier_dict(remote_storage, local_retention, local_retention_bytes, offload_lag)}
     with _client(metadata) as c:
         try:
             info = c.create_stream(name, ensemble=ensemble, write_quorum=write_quorum, ack_quorum=ack_quorum,
                                    fragment_bytes_max=fragment_bytes, fragment_entries_max=fragment_entries,
-                                   retention=_retention_dict(retention_max_age, retention_max_bytes))
+                                   retention=retention or None)
         except ScrollError as exc:
             raise _fail(exc) from exc
     if as_json:
@@ -263,7 +326,7 @@ def stream_describe(name, metadata, as_json):
     info, earliest, end = _arun(metadata, lambda c: _describe_with_offsets(c, name))
     d = _meta_dict(info.meta)
     d.update(earliest_offset=earliest, end_offset=end, records=end - earliest, fragments=len(info.fragments),
-             bytes_in_sealed_fragments=info.bytes)
+             bytes_in_sealed_fragments=info.bytes, tier=_tier_policy(info.meta.retention))
     if as_json:
         click.echo(json.dumps(d))
     else:
@@ -373,6 +436,7 @@ def _stream_policy(meta) -> dict:
     return {"retention": {k: v for k, v in r.items() if k in ("max_age_s", "max_bytes", "keep_from",
                                                               "respect_consumers")},
             "compaction": compaction,
+            "tier": _tier_policy(r),
             "fragment_bytes_max": meta.config.fragment_bytes_max,
             "fragment_entries_max": meta.config.fragment_entries_max,
             "fragment_age_max_ms": meta.config.fragment_age_max_ms}
@@ -436,6 +500,9 @@ def topic_describe(name, metadata, as_json):
         click.echo(f"cleanup.policy {c.get('cleanup_policy')}  compaction {c}  retention {policy['retention'] or '-'}  "
                    f"fragments roll at {_size(policy['fragment_bytes_max'])} / {policy['fragment_entries_max']} entries"
                    f" / {policy['fragment_age_max_ms'] if policy['fragment_age_max_ms'] else 'no'} ms age")
+        tier = policy["tier"]
+        click.echo("tier " + ("off" if not tier.get("remote_storage_enable") else
+                              ", ".join(f"{k}={v}" for k, v in tier.items())))
     tb = Table("partition", "stream", "earliest", "end", "records", "term", "status", "fragments", "ensemble")
     for p in parts:
         tb.add_row(str(p["partition"]), p["stream"], str(p["earliest_offset"]), str(p["end_offset"]),
@@ -809,12 +876,20 @@ def retention_run(stream_name, dry_run, metadata, as_json):
               help="Remove sealed fragments whose records are all below this record offset.")
 @click.option("--ignore-consumers/--respect-consumers", "ignore_consumers", default=None,
               help="Whether floors of layers above (Kafka consumer groups) may hold data back (default: respect).")
-@click.option("--clear", is_flag=True, help="Drop every setting first (then apply the ones given).")
+@click.option("--clear", is_flag=True,
+              help="Drop every retention setting first (then apply the ones given; the tier policy is kept).")
+@_tier_options
 @metadata_option
 @json_option
-def retention_set(stream_name, max_age, max_bytes, keep_from, ignore_consumers, clear, metadata, as_json):
-    """Set STREAM's retention policy (settings not given are kept)."""
+def retention_set(stream_name, max_age, max_bytes, keep_from, ignore_consumers, clear, remote_storage,
+                  local_retention, local_retention_bytes, offload_lag, metadata, as_json):
+    """Set STREAM's retention policy and tier policy (settings not given are kept).
+
+    \b
+    Example: offload to the object store, keep 1 hour on bookies
+      scroll retention set clicks --remote-storage --local-retention 1h"""
     from fragments.retention import InvalidPolicy, Policy, parse_duration, parse_size
+    from fragments.tier import TierPolicy
 
     from .retention import set_policy
 
@@ -830,12 +905,17 @@ def retention_set(stream_name, max_age, max_bytes, keep_from, ignore_consumers, 
         changes["keep_from"] = keep_from
     if ignore_consumers is not None:
         changes["respect_consumers"] = not ignore_consumers
+    tier_default = TierPolicy().to_dict()
+    for k, v in _tier_dict(remote_storage, local_retention, local_retention_bytes, offload_lag).items():
+        changes[k] = None if v == tier_default[k] else v  # a default is stored as no setting
     meta = _arun(metadata, lambda c: set_policy(c, stream_name, changes))
     policy = Policy.from_dict({k: v for k, v in meta.retention.items() if k != "deleting"}).to_dict()
+    tier = _tier_policy(meta.retention)
     if as_json:
-        click.echo(json.dumps({"stream": stream_name, "retention": policy}))
+        click.echo(json.dumps({"stream": stream_name, "retention": policy, "tier": tier}))
     else:
         click.echo(f"retention of {stream_name!r}: " + ", ".join(f"{k}={v}" for k, v in policy.items()))
+        click.echo(f"tier of {stream_name!r}: " + ", ".join(f"{k}={v}" for k, v in tier.items()))
 
 
 # ---------------------------------------------------------------------------------------- compaction
@@ -982,6 +1062,7 @@ def retention_show(stream_name, metadata, as_json):
     info, earliest, end = _arun(metadata, lambda c: _describe_with_offsets(c, stream_name))
     m = info.meta
     d = {"stream": m.name, "retention": Policy.from_dict({k: v for k, v in m.retention.items() if k != "deleting"}).to_dict(),
+         "tier": _tier_policy(m.retention),
          "deleting": m.retention.get("deleting"), "earliest_offset": earliest, "end_offset": end,
          "earliest_entry": info.fragments[0].first_entry_id if info.fragments else 0,
          "first_fragment_index": m.first_fragment_index, "fragments": len(info.fragments),

@@ -67,9 +67,11 @@ from fragments.ledgers import LedgerStore, NoSuchLedger, fragment_key, meta_key
 from fragments.model import Fragment, LedgerMeta
 from fragments.retention import DELETING, Decision, InvalidPolicy, Policy, evaluate
 from fragments.store import MetadataError
+from fragments.tier import POLICY_KEYS as TIER_KEYS
 from fragments.tier import local as tier_local
 
 from ..batches import RecordFormatError, stored_batch
+from ..client import check_tier
 from ..consumer import Consumer
 from ..errors import InvalidArgument, NoSuchStream, ScrollError
 
@@ -531,6 +533,8 @@ async def _update_policy(client, stream_name: str, edit: Callable[[dict], None])
             Policy.from_dict(_policy_part(retention))
         except InvalidPolicy as exc:
             raise InvalidArgument(str(exc)) from exc
+        if any(meta.retention.get(k) != retention.get(k) for k in (*TIER_KEYS, "max_age_s", "max_bytes")):
+            check_tier(meta.retention, retention)  # the tier policy with the limits (fragments/tier.py), as Kafka
         new = meta.with_(retention=retention)
         if await ledgers.cas_ledger(new, (), version) is not None:
             return new
