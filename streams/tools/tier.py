@@ -221,9 +221,14 @@ async def tier_stream(client, objects: ObjectStore, name: str, policy: TierPolic
             kind, size = done
             (rep.adopted if kind == "adopted" else rep.offloaded).append(f.index)
             rep.bytes_offloaded += size
-        meta, _ = await ledgers.get_ledger(meta.ledger_id)
+        try:
+            meta, _ = await ledgers.get_ledger(meta.ledger_id)
+        except NoSuchLedger:
+            rep.skipped = "the stream was deleted during the run"
+            return rep
         frags = await _with_offsets(reader, await ledgers.fragments(meta.ledger_id, meta.first_fragment_index,
                                                                     meta.last_fragment_index))
+        stamps = await _stamps(reader, frags, policy, total, now)
     release = tierpolicy.to_release(frags, policy, total, now, stamps)
     rep.to_release = [f.index for f in release]
     if not dry_run:
