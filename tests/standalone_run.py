@@ -15,9 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def ports() -> dict[str, int]:
-    """A block of consecutive free ports: etcd, etcd peer, kafka, 3 bookies, metrics + 3."""
-    base = port_block(10)
-    return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6}
+    """A block of consecutive free ports: etcd, etcd peer, kafka, 3 bookies, metrics + 4, the object
+    store + 7."""
+    base = port_block(19)
+    return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6,
+            "objectstore": base + 11}
 
 
 class Run:
@@ -28,7 +30,8 @@ class Run:
         self.data, self.ports = data, ports
         args = (f"--data-dir {data} --etcd-port {ports['etcd']} --etcd-peer-port {ports['peer']} "
                 f"--kafka-port {ports['kafka']} --bookie-port {ports['bookie']} --metrics-port {ports['metrics']} "
-                f"--retention-interval 1 --compaction-interval 1 {extra}").strip()
+                f"--object-store-port {ports['objectstore']} "
+                f"--retention-interval 1 --compaction-interval 1 --tier-interval 1 {extra}").strip()
         self.log = data.parent / f"run-{time.monotonic_ns()}.log"
         self.out = open(self.log, "wb")
         self.p = subprocess.Popen(["make", "--no-print-directory", "run", f"ARGS={args}"], cwd=ROOT,

@@ -61,6 +61,9 @@ class StandaloneConfig:
     bookies: int = 3
     retention_interval_s: float = 300.0
     compaction_interval_s: float = 60.0
+    tier_interval_s: float = 60.0
+    object_store: bool = True  # run the embedded S3 server (SeaweedFS) and offload to it
+    object_store_port: int = 8333  # its S3 port; its other components take the next 7 ports
     default_partitions: int = 1
     restart_children: bool = True
     extra_kafka_args: list[str] = field(default_factory=list)
@@ -90,6 +93,9 @@ class StandaloneConfig:
         out += [(p, "--bookie-port") for p in self.bookie_ports]
         out += [(p, "--metrics-port (bookie metrics use the next ports)") for p in self.bookie_metrics_ports]
         out.append((self.kafka_metrics_port, "--metrics-port (the Kafka listener's metrics follow the bookies')"))
+        if self.object_store:
+            out += [(self.object_store_port + i, "--object-store-port (SeaweedFS takes it and the next 7)")
+                    for i in range(8)]
         return out
 
 
@@ -193,10 +199,47 @@ class Standalone:
                                     etcd_peer_port=config.etcd_peer_port, bookie_ports=config.bookie_ports,
                                     bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password, **extra)
         self.kafka: Proc | None = None
+        self.seaweed = self._seaweed() if config.object_store else None
         self.restarts: dict[str, int] = {}
         self._metrics = None
         self._listed: tuple[float, list | None] = (0.0, None)  # (when, every ledger record) of the last listing
         self._metrics_server = None
+
+    def _seaweed(self):
+        """The embedded S3 server (SeaweedFS, loopback only). Under ``--secure`` it requires signed
+        requests (an access key kept in ``<data-dir>/objectstore/s3-credentials.json``, mode 0600,
+        reused on restart) and serves HTTPS with a certificate of the local CA."""
+        from ..tier.seaweed import SeaweedS3
+
+        base = self.config.object_store_port
+        d = self.dir / "objectstore"
+        creds = tls = ca = None
+        if self.secure is not None:
+            creds = _s3_credentials(d / "s3-credentials.json")
+            pki = self.secure.pki.ensure()
+            tls, ca = (str(pki.server_cert), str(pki.server_key)), str(pki.ca)
+        return SeaweedS3(d, s3_port=base, master_port=base + 1, volume_port=base + 2, filer_port=base + 3,
+                         master_grpc_port=base + 4, volume_grpc_port=base + 5, filer_grpc_port=base + 6,
+                         s3_grpc_port=base + 7, credentials=creds, tls=tls, tls_ca=ca)
+
+    def _start_object_store(self, timeout_s: float) -> None:
+        """Start the embedded S3 server and name it as the cluster's tier (etcd)."""
+        import asyncio as _asyncio
+
+        from fragments.stores import open_store
+
+        from .tier import save_tier_config
+
+        self.seaweed.start(timeout_s)
+
+        async def save():
+            store = await open_store(self.cluster.metadata_url, security=self.cluster.client_security)
+            try:
+                await save_tier_config(store, self.seaweed.tier_config())
+            finally:
+                await store.close()
+
+        _asyncio.run(save())
 
     # ---------------------------------------------------------------- start and stop
     def check_ports(self) -> None:
@@ -210,6 +253,8 @@ class Standalone:
         self.check_ports()
         try:
             self.cluster.start(timeout_s)
+            if self.seaweed is not None:
+                self._start_object_store(timeout_s)
             if self.secure is not None:
                 self._secure_setup()
             self.kafka = self._kafka_proc()
@@ -260,6 +305,8 @@ class Standalone:
     def stop(self) -> None:
         if self.kafka is not None:
             self.kafka.stop()
+        if self.seaweed is not None:
+            self.seaweed.stop()
         self.cluster.stop()
         if self._metrics_server is not None:
             with contextlib.suppress(Exception):
@@ -267,7 +314,8 @@ class Standalone:
             self._metrics_server = None
 
     def processes(self) -> list[Proc]:
-        out = [p for p in [self.cluster.etcd, *self.cluster.bookies, self.kafka] if p is not None]
+        out = [p for p in [self.cluster.etcd, *self.cluster.bookies, self.kafka,
+                           self.seaweed.proc if self.seaweed is not None else None] if p is not None]
         return out
 
     # ---------------------------------------------------------------- supervision
@@ -292,6 +340,11 @@ class Standalone:
                         self.kafka.log, _tail(self.kafka.log, 5))
             self.kafka.start(self._kafka_env())
             restarted.append("kafka")
+        if self.seaweed is not None and self.seaweed.proc is not None and not self.seaweed.alive:
+            log.warning("the object store (SeaweedFS) exited (%s); restarting it. Log: %s\n%s",
+                        self.seaweed.proc.popen.returncode, self.seaweed.log, _tail(self.seaweed.log, 5))
+            self.seaweed.proc.start()
+            restarted.append("seaweedfs")
         for name in restarted:
             self.restarts[name] = self.restarts.get(name, 0) + 1
         return restarted
@@ -329,6 +382,18 @@ class Standalone:
             "compaction_lag": Gauge("scroll_compaction_lag_seconds",
                                     "age of the oldest record not yet compacted (the cleaner's lag)", ["stream"],
                                     registry=reg),
+            "tier_runs": Counter("scroll_tier_runs", "offload job runs", ["outcome"], registry=reg),
+            "tier_offloaded": Counter("scroll_tier_offloaded_bytes", "bytes uploaded to the object store",
+                                      registry=reg),
+            "tier_offloaded_fragments": Counter("scroll_tier_offloaded_fragments", "fragments offloaded",
+                                                registry=reg),
+            "tier_released": Counter("scroll_tier_released_bytes",
+                                     "bytes of bookie copies released after offload (per replica)", registry=reg),
+            "tier_swept": Counter("scroll_tier_swept_objects", "unreferenced objects the sweep deleted",
+                                  registry=reg),
+            "tier_skipped": Gauge("scroll_tier_stream_stalled",
+                                  "1 when a stream's last offload stopped on an error (store down, ...)", ["stream"],
+                                  registry=reg),
         }
         self._metrics = m
         server, _thread = start_http_server(self.config.metrics_port, addr="127.0.0.1", registry=reg)
@@ -378,6 +443,7 @@ class Standalone:
             f"consumer group lag: http://127.0.0.1:{c.kafka_metrics_port}/metrics)",
             f"  retention        every {c.retention_interval_s:g} s  (scroll retention run --dry-run to preview)",
             f"  compaction       every {c.compaction_interval_s:g} s  (scroll compaction run --dry-run to preview)",
+            *self._tier_lines(),
             f"  logs             {self.dir}/*/*.log",
             "try it:",
             f"  echo hello | kcat -b 127.0.0.1:{c.kafka_port} -t greetings -P && "
@@ -385,6 +451,15 @@ class Standalone:
             f"  .venv/bin/python -c \"import streams.sync as s; c = s.connect('{url}'); "
             "print([(r.offset, r.value) for r in c.consumer('greetings').read(10)])\"",
         ])
+
+    def _tier_lines(self) -> list[str]:
+        if self.seaweed is None:
+            return ["  object store     off (--no-object-store): nothing is offloaded"]
+        auth = f"signed requests; key in {self.seaweed.credentials_file}" if self.seaweed.credentials else \
+            "anonymous, loopback only"
+        return [f"  object store     {self.seaweed.endpoint} bucket {self.seaweed.bucket}  (SeaweedFS; {auth})",
+                f"  offload          every {self.config.tier_interval_s:g} s for topics with "
+                "remote.storage.enable=true  (scroll tier run --dry-run to preview)"]
 
     def _secure_banner(self, bookies: str, bmetrics: str) -> str:
         c, s = self.config, self.secure
@@ -400,6 +475,7 @@ class Standalone:
             f"consumer group lag: http://127.0.0.1:{c.kafka_metrics_port}/metrics)",
             f"  retention        every {c.retention_interval_s:g} s",
             f"  compaction       every {c.compaction_interval_s:g} s",
+            *self._tier_lines(),
             f"  logs             {self.dir}/*/*.log",
             "try it:",
             f"  echo hello | kcat -F {kp} -t greetings -P && kcat -F {kp} -t greetings -C -e",
@@ -416,6 +492,7 @@ class Standalone:
         client = await connect(self.cluster.metadata_url, security=self.cluster.client_security)
         next_retention = time.monotonic() + min(10.0, self.config.retention_interval_s)
         next_compaction = time.monotonic() + min(10.0, self.config.compaction_interval_s)
+        next_tier = time.monotonic() + min(10.0, self.config.tier_interval_s)
         next_stream_metrics = 0.0
         backoff_until = 0.0
         try:
@@ -438,6 +515,9 @@ class Standalone:
                 if now >= next_compaction:
                     next_compaction = now + self.config.compaction_interval_s
                     await self.compaction_once(client)
+                if self.seaweed is not None and now >= next_tier:
+                    next_tier = now + self.config.tier_interval_s
+                    await self.tier_once(client)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.5)
         finally:
@@ -489,6 +569,48 @@ class Standalone:
             if s.rewritten_fragments:
                 log.info("compaction of %s: %d fragments rewritten, %d -> %d records, %d bytes reclaimed",
                          s.stream, len(s.rewritten_fragments), s.records_in, s.records_out, s.bytes_reclaimed)
+
+
+    async def tier_once(self, client) -> None:
+        from .tier import run_tier
+
+        listed_at, metas = self._listed
+        if time.monotonic() - listed_at > 30.0:
+            metas = None
+        try:
+            report = await run_tier(client, metas=metas)
+        except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
+            log.warning("offload run failed (bookie copies kept): %s", exc)
+            if self._metrics:
+                self._metrics["tier_runs"].labels("failed").inc()
+            return
+        if self._metrics:
+            self._metrics["tier_runs"].labels("ok").inc()
+            self._metrics["tier_offloaded"].inc(report.bytes_offloaded)
+            self._metrics["tier_offloaded_fragments"].inc(sum(len(s.offloaded) + len(s.adopted)
+                                                              for s in report.streams))
+            self._metrics["tier_released"].inc(sum(s.bytes_released for s in report.streams))
+            self._metrics["tier_swept"].inc(len(report.swept))
+            for s in report.streams:
+                self._metrics["tier_skipped"].labels(s.stream).set(1 if s.skipped else 0)
+        for s in report.streams:
+            if s.offloaded or s.released:
+                log.info("tier of %s: %d fragments offloaded (%d bytes), %d released", s.stream,
+                         len(s.offloaded) + len(s.adopted), s.bytes_offloaded, len(s.released))
+
+
+def _s3_credentials(path: Path) -> tuple[str, str]:
+    """The embedded store's access key: the one kept at ``path`` or a new random one."""
+    import json as _json
+    import secrets as _secrets
+
+    if path.exists():
+        d = _json.loads(path.read_text())
+        return d["access_key_id"], d["secret_access_key"]
+    creds = ("scroll-" + _secrets.token_hex(6), _secrets.token_urlsafe(24))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_secret_file(path, _json.dumps({"access_key_id": creds[0], "secret_access_key": creds[1]}))
+    return creds
 
 
 def run(config: StandaloneConfig) -> None:
@@ -551,6 +673,12 @@ def run(config: StandaloneConfig) -> None:
               help="Seconds between retention runs.")
 @click.option("--compaction-interval", "compaction_interval_s", default=60.0, show_default=True, type=float,
               help="Seconds between compaction runs (streams whose cleanup.policy compacts, when due).")
+@click.option("--tier-interval", "tier_interval_s", default=60.0, show_default=True, type=float,
+              help="Seconds between offload runs (streams with remote storage on).")
+@click.option("--object-store/--no-object-store", default=True, show_default=True,
+              help="Run the embedded S3 server (SeaweedFS, loopback) and offload sealed fragments to it.")
+@click.option("--object-store-port", default=8333, show_default=True, type=click.IntRange(1, 65528),
+              help="The embedded S3 server's port; its other components take the next 7 ports.")
 @click.option("--default-partitions", default=1, show_default=True, type=click.IntRange(1, 1000),
               help="Partitions of a Kafka topic created on first use.")
 @click.option("--secure", is_flag=True,
@@ -561,6 +689,7 @@ def run(config: StandaloneConfig) -> None:
               help="Run etcd with its auth on (user root, a random password kept in <data-dir>/etcd/root.password).")
 def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_peer_port: int, bookie_base_port: int,
                        metrics_port: int, bookies: int, retention_interval_s: float, compaction_interval_s: float,
+                       tier_interval_s: float, object_store: bool, object_store_port: int,
                        default_partitions: int, secure: bool, etcd_auth: bool) -> None:
     """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
     127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
@@ -576,8 +705,11 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
         raise click.BadParameter("must be > 0", param_hint="--retention-interval")
     if compaction_interval_s <= 0:
         raise click.BadParameter("must be > 0", param_hint="--compaction-interval")
+    if tier_interval_s <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--tier-interval")
     run(StandaloneConfig(data_dir=data_dir, kafka_port=kafka_port, etcd_port=etcd_port, etcd_peer_port=etcd_peer_port,
                          bookie_base_port=bookie_base_port, metrics_port=metrics_port, bookies=bookies,
                          retention_interval_s=retention_interval_s, compaction_interval_s=compaction_interval_s,
-                         default_partitions=default_partitions,
+                         tier_interval_s=tier_interval_s, object_store=object_store,
+                         object_store_port=object_store_port, default_partitions=default_partitions,
                          etcd_auth=etcd_auth, secure=secure))
