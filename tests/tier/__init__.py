@@ -1,0 +1,1 @@
+"""Tests of the object-store tier (issue 24)."""
