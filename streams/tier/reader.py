@@ -1,8 +1,8 @@
 """Reading offloaded fragments from their objects (see ``streams/tier/segment.py`` for the format).
 
 ``TierReader`` serves ``Consumer`` reads of fragments whose entries live in the object store: it
-gets an object's index with one range GET of its tail (LRU-cached per key, so later reads of the
-object cost no index GET), narrows any entry, offset or timestamp to one index chunk, and GETs only
+gets an object's index with one range GET of its tail (LRU-cached per key, ``index_cache`` of them:
+an index costs ~200 KB of memory per 64 MiB of body, so later reads of the object cost no index GET), narrows any entry, offset or timestamp to one index chunk, and GETs only
 the body bytes a read needs — never the whole object for a seek.
 
 Read-ahead. A reader whose next call starts where its last one ended (or that starts reading an
@@ -79,7 +79,7 @@ class _Run:
 
 
 class TierReader:
-    def __init__(self, store, *, range_bytes: int = 4 << 20, in_flight: int = 4, index_cache: int = 1024,
+    def __init__(self, store, *, range_bytes: int = 4 << 20, in_flight: int = 4, index_cache: int = 128,
                  max_runs: int = 16, timeout_s: float = 30.0):
         self.store = store
         self.range_bytes = max(64 * 1024, int(range_bytes))
@@ -252,9 +252,17 @@ class TierReader:
             raise
         out, eid, used = self._walk(idx, f, key, eid, pos, body, first, last, max_bytes)
         run.next_eid, run.next_pos = eid, pos + used
+        if eid > ft.last_entry:  # read to the end: the reader goes on in the next fragment's object
+            self._end_run(run)
         if not out:
             raise _Lost(f"corrupt: body bytes {pos}..{end - 1} hold no entry from {first}")
         return out
+
+    def _end_run(self, run: _Run) -> None:
+        run.drop()
+        for rid, r in list(self._runs.items()):
+            if r is run:
+                del self._runs[rid]
 
     async def _body(self, run: _Run, key: str, pos: int, end: int, body_len: int, ahead: bool) -> memoryview:
         """Body bytes [pos, end) through the run's window; with ``ahead`` the next pieces after
