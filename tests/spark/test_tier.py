@@ -54,8 +54,8 @@ def _df(spark, url, stream, **opts):
 
 
 def _rows(df):
-    return sorted(((r.offset, r.key, r.value, [(h.key, h.value) for h in r.headers],
-                    int(r.timestamp.timestamp() * 1000)) for r in df.collect()))
+    return sorted((r.offset, r.key, r.value, [(h.key, h.value) for h in r.headers],
+                    int(r.timestamp.timestamp() * 1000)) for r in df.collect())
 
 
 def test_batch_read_of_remote_fragments_equals_the_native_read(spark, spark_cluster, tier_config, stream_name):
