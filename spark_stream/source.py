@@ -29,6 +29,17 @@ the stream's earliest offset fails the query (``failOnDataLoss=true``, the defau
 naming the stream, the offset asked for and the new earliest; with ``false`` the reader logs a
 warning and skips ahead. The same check runs on the executors, since retention can act between
 planning and reading.
+
+Offloaded fragments (tiered storage). Executors read through ``Consumer.read_raw``, which reads a
+fragment whose bookie copies were released from its object (``streams/tier/reader.py``): no bookie
+is in that path, a seek into it costs the object's index and one chunk, and a task's reads stream
+with read-ahead. ``minPartitions`` cuts ranges at fragment boundaries first, so a task reads whole
+objects unless more pieces are asked for than there are fragments (then each piece reads its part
+of an object by range). A missing or corrupt object fails the task with ``ObjectDataLost`` naming
+the stream, the offsets and the object key, with ``failOnDataLoss`` true **or false**: that option
+is about records retention removed (the stream no longer has them, so skipping is consistent with
+it); these records are still in the stream and cannot be read, and skipping them would silently
+drop data that every other reader still sees as there.
 """
 
 from __future__ import annotations

@@ -5,11 +5,16 @@ Bookies register themselves under a lease (``fragments.registry``); fragments na
 so a bookie that restarts on the same id and address is found again. A bookie that is no longer
 registered gets no client: sends to it fail at once, which the writer treats as a failed write.
 Every bookie client gets the cluster's ``ClientSecurity`` (TLS, client certificate, token).
+
+Tiered storage: ``tier_reader()`` builds the object store client and reader for offloaded fragments
+from the cluster's tier config (``fragments.tier.TIER_CONFIG_KEY``; secrets come from the
+environment or the credentials file it names), once, on first use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -19,6 +24,7 @@ from fragments.ledgers import LedgerStore
 from fragments.registry import BookieRegistration, live_bookies
 from fragments.security import ClientSecurity
 from fragments.store import MetadataStore
+from fragments.tier import TIER_CONFIG_KEY
 
 from .errors import AuthenticationFailed
 
@@ -38,6 +44,34 @@ class Cluster:
         self._known: dict[str, str] = {}  # bookie id -> address, kept after a bookie disappears
         self._clients: dict[str, BookieClient] = {}
         self._refreshed = 0.0
+        self._tier = None  # the TierReader, once built
+        self._tier_checked = -1e9  # monotonic time of the last look at the tier config (when absent)
+        self._tier_lock = asyncio.Lock()
+
+    TIER_RECHECK_S = 30.0
+
+    async def tier_reader(self):
+        """The reader of offloaded fragments (``streams.tier.reader.TierReader``), built once from
+        the cluster's tier config; None when no object store is configured (looked up again at
+        most every TIER_RECHECK_S seconds)."""
+        if self._tier is not None:
+            return self._tier
+        async with self._tier_lock:
+            if self._tier is not None:
+                return self._tier
+            if time.monotonic() - self._tier_checked < self.TIER_RECHECK_S:
+                return None
+            self._tier_checked = time.monotonic()
+            got = await self.store.get(TIER_CONFIG_KEY)
+            if got is None:
+                return None
+            from .tier.objstore import ObjectStore, TierConfig  # only clusters with a tier load the client
+            from .tier.reader import TierReader
+
+            config = TierConfig.from_dict(json.loads(got.value))
+            store = ObjectStore(config)
+            self._tier = TierReader(store, **_reader_options(config))
+            return self._tier
 
     async def refresh_bookies(self, max_age_s: float = 0.0) -> list[BookieRegistration]:
         if max_age_s and time.monotonic() - self._refreshed < max_age_s:
@@ -91,4 +125,16 @@ class Cluster:
         for c in self._clients.values():
             await c.close()
         self._clients.clear()
+        tier, self._tier = self._tier, None
+        if tier is not None:
+            await tier.close()
+            close = getattr(tier.store, "close", None)
+            if close is not None:
+                await close()
         await self.store.close()
+
+
+def _reader_options(config) -> dict:
+    """TierReader options from the tier config: a read waits at most the store's own deadline for a
+    call (its retries included), so a silent store fails the read rather than hanging it."""
+    return {"timeout_s": config.deadline_s + 1.0}

@@ -16,6 +16,15 @@ Seeking to an offset narrows to one fragment by the fragments' first offsets (me
 binary-searches its entries, one single-entry read per step (``streams/offsets.py``); points learnt
 on the way are cached in an ``OffsetIndex``. Seeking to a timestamp binary-searches batches' max
 timestamps the same way.
+
+Offloaded fragments (tiered storage, ``fragments/tier.py``). A fragment whose bookie copies were
+released (``remote_only``) is read from its object through the cluster's ``TierReader``
+(``streams/tier/reader.py``); no bookie is asked. One offloaded but still local is read from its
+bookies, and from the object when no replica served a range. A fragment released under a reader
+(its record flips to remote-only, then bookies trim) shows as an empty bookie answer: the fragments
+are re-read and the second attempt goes to the object, from the same entry. Seeks inside a
+remote-only fragment use the object's index: one index GET (cached) and one chunk read, never the
+whole object. Objects teach nothing of the LAC or the term (their fragments are sealed).
 """
 
 from __future__ import annotations
@@ -28,12 +37,13 @@ import logging
 from bookie.client import ReadResult
 from bookie.errors import BookieAuthError, BookieError
 from fragments.model import Fragment, LedgerMeta, LedgerStatus, fragment_for
+from fragments.tier import TIER_CONFIG_KEY, offloaded, remote_only
 from terms.quorum import write_set
 from terms.reader import copy_is_current, read_order
 
 from .batches import Record, RecordFormatError, StoredBatch, records_of, stored_batch
-from .errors import AuthenticationFailed, DataRemovedError, ReadFailedError
-from .offsets import OffsetIndex, next_batch, search_offset, search_timestamp
+from .errors import AuthenticationFailed, DataRemovedError, ReadFailedError, TierReadError
+from .offsets import NOT_NARROWED, OffsetIndex, next_batch, search_offset, search_timestamp
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +119,7 @@ class Consumer:
         await self._refresh()
         await self._learn_lac(0.0)
         lo, hi = self.earliest_entry() - 1, self.lac + 1
-        b = await search_timestamp(self._next_batch, lo, hi, timestamp_ms)
+        b = await search_timestamp(self._next_batch, lo, hi, timestamp_ms, narrow=self._narrow_timestamp)
         if b is None:
             self._set(await self.offset_after(self.lac), self.lac + 1)
             return self.position
@@ -155,6 +165,12 @@ class Consumer:
         hi = f_hi if hi is None else min(hi, f_hi)
         if lo >= hi:
             lo, hi = f_lo, f_hi
+        if remote_only(f):  # the object's index narrows to one chunk: one GET, no search
+            e = await (await self._tier(f)).find_offset(f, offset, stream=self.name)
+            if e is not None:
+                self.index.add(stored_batch(e.entry_id, e.data))
+                return e.entry_id
+            return f.last_entry_id + 1
         found, below = await search_offset(self._next_batch, lo, hi, offset)
         if found is not None:
             return found.entry_id
@@ -200,6 +216,11 @@ class Consumer:
                     f = self.fragments[-1]
                 else:
                     result = await self.earliest_offset() if self.fragments else 0
+                    break
+            if remote_only(f) and hi >= f.last_entry_id:  # the object's footer knows its end
+                ft = (await (await self._tier(f)).index(f.tier["key"], int(f.tier["size"]))).footer
+                if ft.end_offset > ft.first_offset:
+                    result = ft.end_offset
                     break
             step = 2  # the last entry is usually a no-op (a take-over) right after a batch
             while hi >= f.first_entry_id:
@@ -442,11 +463,40 @@ class Consumer:
             expect += 1
         return out
 
+    async def _tier(self, f: Fragment):
+        tier = await self.cluster.tier_reader()
+        if tier is None:
+            raise TierReadError(
+                f"stream {self.name!r}: fragment {f.index} (entries {f.first_entry_id}..{f.last_entry_id}) is "
+                f"offloaded to object {f.tier.get('key')!r}, but this cluster has no object store configured "
+                f"({TIER_CONFIG_KEY})", stream=self.name, key=f.tier.get("key", ""), retriable=False)
+        return tier
+
+    async def _read_tier(self, f: Fragment, first: int, last: int):
+        last = min(last, first + self.max_read_entries - 1)
+        return await (await self._tier(f)).read_entries(f, first, last, self.max_read_bytes, stream=self.name)
+
+    async def _narrow_timestamp(self, lo: int, hi: int, ts: int):
+        """A timestamp search's window lo..hi (exclusive) inside one remote-only fragment is
+        answered by its object's index (see ``search_timestamp``)."""
+        f = fragment_for(self.fragments, lo + 1) if self.fragments else None
+        if f is None or not remote_only(f) or f.last_entry_id < hi - 1:
+            return NOT_NARROWED
+        e = await (await self._tier(f)).find_timestamp(f, ts, after_entry=lo, stream=self.name)
+        if e is None or e.entry_id >= hi:
+            return None
+        b = stored_batch(e.entry_id, e.data)
+        self.index.add(b)
+        return b
+
     async def _read_range(self, first: int, last: int):
+        tier_error = None
         for _attempt in range(2):
             f = await self._fragment(first)
             if f.last_entry_id is not None:
                 last = min(last, f.last_entry_id)
+            if remote_only(f):  # bookie copies released: the object is the only copy
+                return await self._read_tier(f, first, last)
             wq = self.meta.config.write_quorum
             order = read_order(f, first, wq, self._rotate)
             if len(f.ensemble) > wq and last > first:
@@ -456,7 +506,15 @@ class Consumer:
                 got = await self._read_from_replicas(f, order, first, last)
             if got:
                 return got
+            if offloaded(f):  # still local by its record, but no replica served it: the object has it
+                try:
+                    return await self._read_tier(f, first, last)
+                except TierReadError as exc:
+                    tier_error = exc
             await self._refresh()
+        if tier_error is not None:
+            raise ReadFailedError(f"stream {self.name!r}: no replica served entry {first} (LAC {self.lac}; bookies "
+                                  f"{list(order)}), and its object failed too: {tier_error}") from tier_error
         raise ReadFailedError(
             f"stream {self.name!r}: no replica served entry {first} (LAC {self.lac}); bookies {list(order)}")
 

@@ -74,3 +74,24 @@ class ReadFailedError(ScrollError):
     """No replica could serve an entry that is below the LAC."""
 
     retriable = True
+
+
+class TierReadError(ReadFailedError):
+    """Entries of an offloaded fragment could not be read from the object store. As raised for an
+    unreachable or slow store it is retriable; the message names the stream, the entries (and
+    record offsets, when known) asked for and the object key."""
+
+    def __init__(self, message: str, *, stream: str = "", key: str = "", first: int = -1, last: int = -1,
+                 retriable: bool | None = None):
+        super().__init__(message)
+        self.stream, self.key, self.first, self.last = stream, key, first, last
+        if retriable is not None:
+            self.retriable = retriable
+
+
+class ObjectDataLost(TierReadError):
+    """An offloaded fragment's object is missing or corrupt while it is the only copy of those
+    records (or every bookie copy is gone too): the records exist in the stream's metadata but
+    cannot be read. Never skipped silently; retrying does not help."""
+
+    retriable = False

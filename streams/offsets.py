@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from .batches import StoredBatch, stored_batch
 
 NextBatch = Callable[[int, int], Awaitable[StoredBatch | None]]
+NOT_NARROWED = object()  # a ``narrow`` hook's answer: it cannot answer for this window, search on
 
 
 async def next_batch(read_raw, first: int, last: int, chunk: int = 8) -> StoredBatch | None:
@@ -52,11 +53,19 @@ async def search_offset(next_batch_in: NextBatch, lo: int, hi: int, offset: int)
     return None, lo
 
 
-async def search_timestamp(next_batch_in: NextBatch, lo: int, hi: int, ts: int) -> StoredBatch | None:
+async def search_timestamp(next_batch_in: NextBatch, lo: int, hi: int, ts: int, narrow=None) -> StoredBatch | None:
     """The first batch strictly between ``lo`` and ``hi`` whose max timestamp is >= ``ts`` (batches'
-    max timestamps taken as non-decreasing, as Kafka's time index does), or None."""
+    max timestamps taken as non-decreasing, as Kafka's time index does), or None.
+
+    ``narrow(lo, hi, ts)``, when given, is asked first at every step: it answers the search inside
+    that window itself (the batch, or None: none in the window) when it can do so cheaply (an
+    offloaded fragment's index), or returns NOT_NARROWED."""
     found = None
     while hi - lo > 1:
+        if narrow is not None:
+            got = await narrow(lo, hi, ts)
+            if got is not NOT_NARROWED:
+                return got if got is not None else found
         mid = (lo + hi) // 2
         b = await next_batch_in(mid, hi - 1)
         if b is None:

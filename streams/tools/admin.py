@@ -16,6 +16,11 @@ and the ledger record's version: if the writer rolled over or retention marked t
 deletion meanwhile, the transaction fails and the fragment is looked at again. The ledger record
 itself is not written, so an active writer is not disturbed.
 
+A fragment offloaded to the object store whose bookie copies were released (``remote_only``,
+``fragments/tier.py``) has no bookie copies by design: ``check`` reports it as "offloaded" (and
+whether its object is there, by a HEAD), never as under-replicated; ``--fix`` and ``decommission``
+leave it alone (nothing on bookies to copy, and its ensemble names no bookie that holds it).
+
 The **open** last fragment belongs to its writer. ``check`` only reports it. ``decommission`` of a
 bookie that is already out of the live set (stopped) takes the stream over (opens a producer and
 closes it, as a failover would): the take-over's no-op goes to the whole ensemble, fails on the
@@ -44,6 +49,7 @@ from fragments.ledgers import NoSuchLedger, fragment_key, meta_key
 from fragments.model import Fragment, LedgerMeta, LedgerStatus, fragment_for
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
 from fragments.retention import DELETING
+from fragments.tier import remote_only
 from terms import entry as entry_codec
 from terms.messages import AddRequest
 from terms.quorum import write_set, write_set_indexes
@@ -100,7 +106,8 @@ async def ledger_show(client, name: str) -> dict:
          "sealed": f.sealed, "ensemble": list(f.ensemble), "size_bytes": f.size_bytes, "created_term": f.created_term,
          "entries": (f.last_entry_id - f.first_entry_id + 1) if f.sealed else max(0, c.lac + 1 - f.first_entry_id),
          "first_offset": firsts[i], "first_offset_recorded": f.first_offset is not None,
-         "records": (firsts[i + 1] if i + 1 < len(frags) else end) - firsts[i]}
+         "records": (firsts[i + 1] if i + 1 < len(frags) else end) - firsts[i],
+         **({"tier": f.tier} if f.tier else {})}
         for i, f in enumerate(frags)
     ]
     return d
@@ -227,6 +234,10 @@ async def read_replicas(client, name: str, first: int, last: int) -> dict:
                 continue
             break
         upto = min(last, f.last_entry_id) if f.sealed else last
+        if remote_only(f):  # no bookie holds it: its object does
+            out.extend({"entry_id": i, "fragment": f.index, "offloaded": f.tier.get("key")} for i in range(eid, upto + 1))
+            eid = upto + 1
+            continue
         copies = await _copies(client.cluster, meta, f, eid, upto)
         for i in range(eid, upto + 1):
             per = copies[i]
@@ -420,6 +431,7 @@ class FragmentReport:
     new_ensemble: list[str] | None = None
     copied: int = 0
     error: str | None = None
+    object: str | None = None  # an offloaded fragment's object key
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -449,6 +461,11 @@ async def check(client, fix: bool = False, stream: str | None = None, progress: 
             if last < f.first_entry_id:
                 continue
             rep = FragmentReport(name, f.index, f.first_entry_id, f.last_entry_id, list(f.ensemble), f.sealed)
+            if remote_only(f):  # bookie copies released by design: its object is the copy
+                rep.action, rep.object = "offloaded", f.tier.get("key")
+                rep.error = await _object_problem(cluster, f)
+                out.append(rep)
+                continue
             rep.gone = sorted(b for b in set(f.ensemble) if b not in live)
             copies = await _copies(cluster, meta, f, f.first_entry_id, last)
             missing: dict[str, list[int]] = {}
@@ -475,6 +492,25 @@ async def check(client, fix: bool = False, stream: str | None = None, progress: 
     if progress:
         progress("", len(names), len(names))
     return [r.to_dict() for r in out]
+
+
+async def _object_problem(cluster, f: Fragment) -> str | None:
+    """What is wrong with a released fragment's object (a HEAD: there, of the recorded size), or None."""
+    from ..tier.objstore import ObjectMissing, ObjectStoreError
+
+    key, size = f.tier.get("key"), f.tier.get("size")
+    tier = await cluster.tier_reader()
+    if tier is None:
+        return f"object {key!r} not checked: this cluster has no object store configured"
+    try:
+        got, _etag = await tier.store.head(key)
+    except ObjectMissing:
+        return f"object {key!r} is missing: the fragment's records cannot be read (data lost)"
+    except ObjectStoreError as exc:
+        return f"object {key!r} not checked: {exc}"
+    if size is not None and got != size:
+        return f"object {key!r} is {got} bytes, the fragment record says {size}"
+    return None
 
 
 async def _fix_fragment(client, meta, f: Fragment, missing: dict[str, list[int]], live: set[str], rep) -> None:
@@ -532,7 +568,7 @@ async def decommission(client, bookie_id: str, *, takeover: bool = True, progres
                     left.append({"stream": meta.name, "fragment": last.index,
                                  "reason": "the take-over kept the bookie in the open fragment"})
         for f in frags:
-            if not f.sealed or bookie_id not in f.ensemble:
+            if not f.sealed or bookie_id not in f.ensemble or remote_only(f):  # released: nothing on bookies
                 continue
             try:
                 moved.append(await _move(client, meta, f, bookie_id))
