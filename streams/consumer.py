@@ -361,6 +361,7 @@ class Consumer:
         writer's, just after its take-over committed them) instead of reading them again."""
         self._refreshed_at = asyncio.get_running_loop().time()
         self.fragments = list(fragments)
+        self._sealed_lac()
 
     async def _refresh(self) -> None:
         self._refreshed_at = asyncio.get_running_loop().time()
@@ -368,7 +369,17 @@ class Consumer:
         self.meta = meta
         self.fragments = await self.cluster.ledgers.fragments(
             meta.ledger_id, meta.first_fragment_index, meta.last_fragment_index)
+        self._sealed_lac()
         await self.cluster.refresh_bookies(max_age_s=1.0)
+
+    def _sealed_lac(self) -> None:
+        """Every entry of a sealed fragment was acknowledged before the fragment was sealed, so the
+        LAC is at least the last sealed entry: a reader of sealed (or offloaded) fragments needs no
+        bookie to learn it."""
+        for f in reversed(self.fragments):
+            if f.sealed:
+                self.lac = max(self.lac, f.last_entry_id)
+                break
 
     async def _fragment(self, entry_id: int) -> Fragment:
         f = fragment_for(self.fragments, entry_id) if self.fragments else None

@@ -591,7 +591,7 @@ class PartitionLog:
             return await next_batch(r.read_raw, first, last)
 
         last = self.producer.lac if self.writable else self._last_entry
-        b = await search_timestamp(next_in, r.earliest_entry() - 1, last + 1, ts)
+        b = await search_timestamp(next_in, r.earliest_entry() - 1, last + 1, ts, narrow=r._narrow_timestamp)
         while b is not None and b.base_offset < hw:
             for rec in records_of(b, self.stream, max(b.base_offset, self.log_start)):
                 if rec.timestamp_ms >= ts:

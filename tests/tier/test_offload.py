@@ -368,3 +368,43 @@ def test_a_producer_at_full_rate_and_a_tailing_consumer_run_on_while_the_stream_
             await client.close()
 
     run(go())
+
+
+def test_with_the_local_policy_at_zero_and_every_bookie_stopped_the_offloaded_prefix_reads_byte_for_byte(
+        tcluster, seaweed):
+    import signal
+
+    async def go():
+        s = name("nobookie")
+        client, objects, p = await setup(tcluster, seaweed, s, n=40)
+        before = [(r.offset, r.key, r.value, r.timestamp_ms) for r in await _read(client, s, 40)]
+        await p.close()
+        await tier.run_tier(client, s)
+        _, frags = await fragments(client, s)
+        prefix_end = max(f.tier["end_offset"] for f in frags if tp.remote_only(f))
+        assert prefix_end >= 30
+        stopped = [b.popen.pid for b in tcluster.bookies]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            fresh = await connect(tcluster.metadata_url, add_timeout_s=5.0, call_timeout_s=5.0)
+            try:
+                got = await asyncio.wait_for(_read(fresh, s, prefix_end), 60)
+            finally:
+                await fresh.close()
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        assert [(r.offset, r.key, r.value, r.timestamp_ms) for r in got] == before[:prefix_end]
+        await client.close()
+
+    run(go())
+
+
+async def _read(client, stream, n):
+    c = await client.consumer(stream, "earliest")
+    out = []
+    while len(out) < n:
+        out.extend(await c.read(n - len(out), 1.0))
+    await c.close()
+    return out
