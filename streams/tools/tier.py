@@ -40,6 +40,7 @@ Retention deletes the objects of the fragments it removes (``streams/tools/reten
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -318,22 +319,30 @@ async def offload_fragment(client, objects: ObjectStore, meta: LedgerMeta, f: Fr
     marked = await _edit_fragment(ledgers, lid, f.index, mark)
     if marked is None:
         return None
-    if _fault:
-        await _hook(_fault, "intent", f)
-    body, footer = await _build(reader, f)
     try:
-        await objects.put_if_absent(key, body)
-    except ObjectExists:  # a retried PUT whose first try landed (the key is this attempt's own): checked next
-        log.info("stream ledger=%d fragment %d: %s already there; checking it", lid, f.index, key)
-    if _fault:
-        await _hook(_fault, "put", f)
-    try:
-        await _check_uploaded(objects, key, body, footer)
-    except ObjectMissing:  # deleted under us: by retention removing the fragment, or the stream's deletion?
-        cur = await _edit_fragment(ledgers, lid, f.index, lambda c: c if (c.tier or {}).get("key") == key else None)
-        if cur is None:
-            return None
-        raise TierIncomplete(f"object {key} vanished right after its upload") from None
+        if _fault:
+            await _hook(_fault, "intent", f)
+        body, footer = await _build(reader, f)
+        try:
+            await objects.put_if_absent(key, body)
+        except ObjectExists:  # a retried PUT whose first try landed (the key is this attempt's own): checked next
+            log.info("stream ledger=%d fragment %d: %s already there; checking it", lid, f.index, key)
+        if _fault:
+            await _hook(_fault, "put", f)
+        try:
+            await _check_uploaded(objects, key, body, footer)
+        except ObjectMissing:  # deleted under us: by retention removing the fragment, or the stream's deletion?
+            cur = await _edit_fragment(ledgers, lid, f.index, lambda c: c if (c.tier or {}).get("key") == key else None)
+            if cur is None:
+                return None
+            raise TierIncomplete(f"object {key} vanished right after its upload") from None
+    except (ObjectStoreError, TierIncomplete, BookieError, ScrollError) as exc:
+        # the upload failed (store down, wrong credentials, a bookie gone): withdraw the intent so the
+        # next run retries at once; an object a timed-out PUT may have left is the sweep's
+        with contextlib.suppress(Exception):
+            await _edit_fragment(ledgers, lid, f.index,
+                                 lambda c: c.with_(tier=f.tier) if (c.tier or {}).get("key") == key else None)
+        raise exc from None
     return await _switch(client, objects, lid, marked, key, footer, "offloaded", _fault)
 
 

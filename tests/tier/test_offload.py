@@ -408,3 +408,65 @@ async def _read(client, stream, n):
         out.extend(await c.read(n - len(out), 1.0))
     await c.close()
     return out
+
+
+def test_a_silent_store_during_an_upload_stops_the_run_in_time_keeps_bookie_copies_and_a_rerun_converges(
+        tcluster, seaweed):
+    import dataclasses
+    import signal
+    import time
+
+    async def go():
+        s = name("silent")
+        client, objects, p = await setup(tcluster, seaweed, s, n=30)
+        fast = ObjectStore(dataclasses.replace(seaweed.tier_config(), connect_timeout_s=1.0, request_timeout_s=1.0,
+                                               retries=1, retry_timeout_s=2.0))
+        try:
+            os.kill(seaweed.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                rep = await asyncio.wait_for(tier.run_tier(client, s, objects=fast), 120)
+                took = time.monotonic() - t0
+            finally:
+                os.kill(seaweed.pid, signal.SIGCONT)
+            assert rep.streams[0].skipped and took < 4 * fast.config.deadline_s
+            meta, frags = await fragments(client, s)
+            assert not any(tp.offloaded(f) for f in frags)  # nothing verified: nothing released
+            assert all([await bookie_entries(client, meta.ledger_id, f) > 0 for f in frags if f.sealed])
+            later = int(time.time() * 1000) + int(tier.INTENT_TTL_S * 1000) + 1
+            await tier.run_tier(client, s, objects=objects, now_ms=later)
+            await tier.run_tier(client, None, objects=objects, now_ms=later, grace_s=0)
+            meta, frags = await fragments(client, s)
+            assert all(tp.remote_only(f) for f in frags if f.sealed)
+            assert await objects_of(objects, meta.ledger_id) == await referenced(client, s)
+        finally:
+            await p.close()
+            await client.close()
+
+    run(go())
+
+
+def test_wrong_credentials_or_a_missing_bucket_fail_the_run_fast_without_the_secret(tcluster, seaweed, tmp_path):
+    import dataclasses
+    import json
+
+    async def go():
+        s = name("badcreds")
+        client, objects, p = await setup(tcluster, seaweed, s, n=15)
+        creds = tmp_path / "wrong.json"
+        secret = "wrong-Secret-Never-Printed-42"
+        creds.write_text(json.dumps({"access_key_id": "scroll-test", "secret_access_key": secret}))
+        try:
+            for bad in (dataclasses.replace(seaweed.tier_config(), credentials_file=str(creds)),
+                        seaweed.tier_config(bucket="no-such-bucket")):
+                rep = await asyncio.wait_for(tier.run_tier(client, s, objects=ObjectStore(bad)), 60)
+                why = rep.streams[0].skipped
+                assert why and secret not in why and ("bucket" in why.lower() or "denied" in why.lower()
+                                                      or "signature" in why.lower() or "403" in why), why
+                _, frags = await fragments(client, s)
+                assert not any(f.tier for f in frags)  # the failed attempt's intent is withdrawn
+        finally:
+            await p.close()
+            await client.close()
+
+    run(go())
