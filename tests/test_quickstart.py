@@ -6,6 +6,7 @@ start it again on the same data directory and find everything still there."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import socket
 import subprocess
@@ -110,8 +111,28 @@ def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
                      "print([(r.offset, r.value) for r in c.consumer('profiles').read(100)])")
         kept = ast.literal_eval(got.strip())
         assert len(kept) < 50 and kept[-5:] == [(o, b"v%d" % o) for o in range(45, 50)]
+        # scheduled offload to the embedded object store: a stream with remote storage on and no
+        # local retention; its sealed fragments end up in objects only, and kcat reads them back
+        assert f"object store     http://127.0.0.1:{ports['objectstore']}" in banner
+        python(f"import streams.sync as s; c = s.connect({url!r}); c.create_stream('archive', fragment_entries_max=10, "
+               "retention={'remote_storage_enable': True, 'local_retention_ms': 0}); "
+               "p = c.producer('archive'); [p.append(b'a-%d' % i) for i in range(50)]; p.close()")
+        deadline = time.monotonic() + 90
+        while True:
+            status = subprocess.run([str(ROOT / ".venv/bin/scroll"), "tier", "status", "--stream", "archive", "--json",
+                                     "--metadata", url], check=True, capture_output=True, text=True, timeout=60).stdout
+            row = json.loads(status)[0]
+            if row["remote_only"] >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert row["remote_only"] >= 4, row
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).read().decode()
+        assert re.search(r"^scroll_tier_offloaded_fragments_total [1-9]", metrics, re.M), metrics
+        archive = [f"a-{i}" for i in range(50)]
+        assert kcat(ports["kafka"], "-t", "archive", "-C", "-e").splitlines() == archive
         assert "stopped; data kept in" in run.ctrl_c()
-        for p in (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"]):
+        for p in (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"],
+                  ports["objectstore"]):
             assert not _listening(p), f"something still listens on port {p} after Ctrl-C"
     finally:
         run.kill()
@@ -124,12 +145,14 @@ def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
         got = python(f"import streams.sync as s; c = s.connect({url!r}); "
                      "print(len([r for r in c.consumer('orders').read(1000)]))")
         assert got.strip() == "100"
+        assert kcat(ports["kafka"], "-t", "archive", "-C", "-e").splitlines() == archive  # objects kept too
         kcat(ports["kafka"], "-t", "greetings", "-P", input="after restart\n")
         assert kcat(ports["kafka"], "-t", "greetings", "-C", "-e", "-o", "3").splitlines() == ["after restart"]
         # kill -9 of `make run` and scroll standalone (a closed terminal, an OOM kill): the children
         # it started notice that their parent is gone and stop; nothing keeps the ports
         run.kill()
-        served = (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"])
+        served = (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"],
+                  ports["objectstore"])
 
         def remains() -> list:
             # a process that is exiting has an empty /proc cmdline before its sockets close: wait
