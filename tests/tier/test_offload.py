@@ -470,3 +470,36 @@ def test_wrong_credentials_or_a_missing_bucket_fail_the_run_fast_without_the_sec
             await client.close()
 
     run(go())
+
+
+def test_scroll_tier_run_and_status_from_the_command_line(tcluster, seaweed):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def scroll(*args):
+        r = subprocess.run([sys.executable, "-m", "streams.tools.cli", *args, "--metadata", tcluster.metadata_url],
+                           capture_output=True, text=True, timeout=120, cwd=root,
+                           env={**os.environ, "PYTHONPATH": str(root)})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    async def make():
+        s = name("cli")
+        client, objects, p = await setup(tcluster, seaweed, s, n=25)
+        await p.close()
+        await client.close()
+        return s
+
+    s = run(make())
+    dry = json.loads(scroll("tier", "run", "--stream", s, "--dry-run", "--json"))
+    assert dry["dry_run"] and dry["streams"][0]["to_offload"] and not dry["streams"][0]["offloaded"]
+    done = json.loads(scroll("tier", "run", "--stream", s, "--json"))
+    assert done["streams"][0]["offloaded"] == dry["streams"][0]["to_offload"] and done["bytes_offloaded"] > 0
+    row = json.loads(scroll("tier", "status", "--stream", s, "--json"))[0]
+    assert row["remote_only"] == len(done["streams"][0]["offloaded"]) and row["bytes_remote"] > 0
+    table = scroll("tier", "status", "--stream", s)
+    assert s in table
