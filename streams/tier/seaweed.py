@@ -18,7 +18,8 @@ rather than silently creating a mistyped one; ``start`` creates its bucket (``we
 HTTPS (``tls_ca``, the CA that signed ``cert``, is what clients verify it with).
 
 ``start`` returns once the S3 port answers, the bucket exists and a PUT + GET + DELETE round trip
-works. ``stop`` sends SIGTERM, waits for the volume server to shut down, then kills (weed would
+works, and has the bucket's writes fsynced (``fs.configure -fsync``: SeaweedFS otherwise acknowledges
+a PUT before it reaches the disk, and the offload job releases bookie copies on that acknowledgement). ``stop`` sends SIGTERM, waits for the volume server to shut down, then kills (weed would
 linger ~15 s more). Like etcd under ``LocalCluster``, the child gets a
 parent-death signal, so it stops if we die.
 
@@ -160,6 +161,7 @@ class SeaweedS3:
         try:
             _wait_port(self.s3_port, self.proc.popen, "SeaweedFS", timeout_s, self.log)
             self._wait_ready(deadline)
+            self._configure_fsync(deadline)
         except BaseException:
             self.stop()
             raise
@@ -193,6 +195,23 @@ class SeaweedS3:
                 last = e
             time.sleep(0.2)
         raise ClusterError(f"SeaweedFS S3 on {self.endpoint} not ready: {last}; see {self.log}:\n{_tail(self.log)}")
+
+    def _configure_fsync(self, deadline: float) -> None:
+        """SeaweedFS acknowledges a PUT before its bytes reach the disk unless the path is configured
+        with fsync (``fs.configure -fsync``; kept in the filer's own configuration, idempotent). The
+        offload job releases bookie copies once an object is acknowledged, so the bucket must fsync."""
+        shell = [weed_binary(), "shell", f"-master=127.0.0.1:{self.master_port}.{self.master_grpc_port}",
+                 f"-filer=127.0.0.1:{self.filer_port}.{self.filer_grpc_port}"]
+        script = f"fs.configure -locationPrefix=/buckets/{self.bucket}/ -fsync -apply\nexit\n"
+        timeout = max(1.0, min(30.0, deadline - time.monotonic()))
+        try:
+            r = subprocess.run(shell, input=script, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"`weed shell` did not configure fsync for bucket {self.bucket!r} in {timeout:.0f}s") \
+                from None
+        if '"fsync":  true' not in r.stdout + r.stderr:
+            raise ClusterError(f"`weed shell` could not turn fsync on for bucket {self.bucket!r}: "
+                               f"{(r.stdout + r.stderr).strip()[-500:]}")
 
     def _create_bucket(self, deadline: float) -> None:
         shell = [weed_binary(), "shell", f"-master=127.0.0.1:{self.master_port}.{self.master_grpc_port}",

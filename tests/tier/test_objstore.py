@@ -423,3 +423,17 @@ def test_restart_keeps_objects(seaweed, object_store):
 
 def test_weed_binary_is_found():
     assert os.access(weed_binary(), os.X_OK)
+
+
+def test_the_embedded_store_fsyncs_the_buckets_writes(seaweed):
+    """SeaweedFS acknowledges a PUT before it reaches the disk unless the path has fsync on; the
+    offload job releases bookie copies on that acknowledgement, so start() turns it on."""
+    import subprocess
+
+    from streams.tier.seaweed import weed_binary
+
+    shell = [weed_binary(), "shell", f"-master=127.0.0.1:{seaweed.master_port}.{seaweed.master_grpc_port}",
+             f"-filer=127.0.0.1:{seaweed.filer_port}.{seaweed.filer_grpc_port}"]
+    out = subprocess.run(shell, input="fs.configure\nexit\n", capture_output=True, text=True, timeout=60).stdout
+    conf = out[out.index("{"):]
+    assert f'"locationPrefix":  "/buckets/{seaweed.bucket}/"' in conf and '"fsync":  true' in conf
