@@ -323,6 +323,8 @@ async def offload_fragment(client, objects: ObjectStore, meta: LedgerMeta, f: Fr
         if _fault:
             await _hook(_fault, "intent", f)
         body, footer = await _build(reader, f)
+        if _fault:
+            await _hook(_fault, "putting", f)
         try:
             await objects.put_if_absent(key, body)
         except ObjectExists:  # a retried PUT whose first try landed (the key is this attempt's own): checked next
