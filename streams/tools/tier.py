@@ -134,8 +134,9 @@ async def run_tier(client, stream: str | None = None, dry_run: bool = False, *, 
                    metas: list[LedgerMeta] | None = None, _fault=None) -> TierReport:
     """Offload and release what the streams' tier policies ask for (or only ``stream``'s), then
     sweep unreferenced objects. ``objects``: the object store (default: the cluster's, from its
-    metadata). ``_fault(step, fragment)`` is a test hook called after each step ("intent", "put",
-    "offloaded", "released", "trimmed") that may raise to simulate a crash there."""
+    metadata). ``_fault(step, fragment)`` is a test hook called at each step ("intent", "putting" (just
+    before the PUT), "put", "offloaded", "released", "trimmed"); it may raise, or block, to simulate a
+    crash there."""
     ledgers: LedgerStore = client.cluster.ledgers
     objects = objects or await object_store_of(client)
     if stream is not None:
