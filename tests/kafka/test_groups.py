@@ -14,7 +14,7 @@ import textwrap
 import time
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 from kio.schema.errors import ErrorCode  # noqa: E402
 from kio.schema.find_coordinator.v4 import FindCoordinatorRequest  # noqa: E402
@@ -240,7 +240,16 @@ def test_committed_offsets_survive_a_shim_restart(kafka_cluster, shim, topic):
     try:
         assert coordinator(AdminClient({"bootstrap.servers": b.bootstrap}), group) != node_a
         c = consumer(b.bootstrap, group)
-        committed = c.committed([TopicPartition(topic, 0), TopicPartition(topic, 1)], timeout=15)
+        deadline = time.monotonic() + 30
+        while True:  # NOT_COORDINATOR is retriable (Kafka): the listeners' views of who coordinates
+            try:     # the group converge after A left and B joined; librdkafka's committed() surfaces it
+                committed = c.committed([TopicPartition(topic, 0), TopicPartition(topic, 1)], timeout=15)
+                break
+            except KafkaException as exc:
+                if exc.args[0].code() not in (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS) \
+                        or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         assert [(tp.offset, tp.metadata) for tp in committed] == [(15, "zero"), (5, None)]
         c.subscribe([topic])
         got = []
