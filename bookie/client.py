@@ -878,6 +878,14 @@ class BookieClient:
             tuple((f.ledger_id, f.entry_id, f.reason, f.found_by, f.at, f.removed) for f in r.scrub_findings),
         )
 
+    async def scrub(self) -> bool:
+        """Have the bookie start a scrub pass now; False if one was already running. Its progress
+        and findings are in ``info()`` (scrub_passes, scrub_corrupt, scrub_findings)."""
+        r = await self._unary(self._stub.Scrub, pb.ScrubRequest())
+        if r.status != Status.OK:
+            raise error_for(r.status, r.error)
+        return r.started
+
     def _tracked(self, method, req, extra_s: float = 0.0):
         """Start a unary call, kept in ``_calls`` until gRPC has its status, even when the task
         awaiting it was cancelled (a losing speculative read): close() waits for them."""

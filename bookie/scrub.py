@@ -6,7 +6,8 @@ the scrub thread and checks it exactly as a read would: the entry-log frame CRC 
 digest and data, ``entrylog.decode``), that the record is the entry the index names, and for a
 CRC32C entry the client's digest over the data. The pass is throttled to ``scrub_bytes_per_s`` (an
 ``asyncio.sleep`` between chunks when it runs ahead of that rate) and runs ``scrub_first_delay_s``
-after start, then ``scrub_interval_s`` after the end of each pass (0 turns scrubbing off).
+after start, then ``scrub_interval_s`` after the end of each pass (0: no periodic passes); the
+Scrub RPC (``BookieClient.scrub``) starts one at once.
 
 A bad copy is *not served*: reads already answer CORRUPT for a record that fails its checks, and
 the scrubber removes the entry from the index (one synced batch on the disk thread, under the
@@ -88,6 +89,7 @@ class Scrubber:
         self._lock = threading.Lock()
         self._kept: set[tuple[int, int, tuple[int, int, int]]] = set()  # corrupt copies above the LAC, kept
         self._wake: asyncio.Event | None = None
+        self._now = False  # a pass was asked for (``trigger``)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ checking (scrub thread)
@@ -206,6 +208,14 @@ class Scrubber:
             except RuntimeError:  # the loop is closed: the bookie is stopping
                 pass
 
+    def trigger(self) -> None:
+        """Start a pass now (an operator, a test), unless one is under way; on the event loop."""
+        if self.running:
+            return
+        self._now = True
+        if self._wake is not None:
+            self._wake.set()
+
     def _take_reported(self) -> list[Finding]:
         with self._lock:
             out = list(self._reported)
@@ -302,7 +312,7 @@ class Scrubber:
         due = time.monotonic() + cfg.scrub_first_delay_s
         while True:
             timeout = due - time.monotonic() if cfg.scrub_interval_s > 0 else None
-            if timeout is None or timeout > 0:
+            if not self._now and (timeout is None or timeout > 0):
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except TimeoutError:
@@ -310,7 +320,8 @@ class Scrubber:
             self._wake.clear()
             try:
                 await self._handle_reported()
-                if cfg.scrub_interval_s > 0 and time.monotonic() >= due:
+                if self._now or (cfg.scrub_interval_s > 0 and time.monotonic() >= due):
+                    self._now = False
                     await self.run_pass(pool)
                     due = time.monotonic() + cfg.scrub_interval_s
             except asyncio.CancelledError:

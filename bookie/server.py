@@ -100,6 +100,11 @@ class BookieService(pb_grpc.BookieServicer):
             code, message = _status_of(exc)
             return pb.TrimResponse(status=code, error=message)
 
+    async def Scrub(self, request: pb.ScrubRequest, context) -> pb.ScrubResponse:
+        running = self.engine.scrubber.running
+        self.engine.scrubber.trigger()
+        return pb.ScrubResponse(status=Status.OK, started=not running)
+
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         e = self.engine
         loop = asyncio.get_running_loop()
