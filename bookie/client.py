@@ -159,6 +159,12 @@ class BookieInfo:
     ledgers: int
     write_cache_bytes: int
     version: str
+    scrub_passes: int = 0  # scrubbing since the bookie started (bookie/scrub.py)
+    scrub_entries: int = 0
+    scrub_corrupt: int = 0
+    scrub_last_pass_end: float = 0.0
+    scrub_running: bool = False
+    scrub_findings: tuple = ()  # ((ledger, entry, reason, found_by, unix time, removed), ...), the latest
 
 
 # ------------------------------------------------------------------------------ the data connection
@@ -867,8 +873,18 @@ class BookieClient:
     async def info(self) -> BookieInfo:
         r = await self._unary(self._stub.Info, pb.InfoRequest())
         return BookieInfo(
-            r.bookie_id, r.free_bytes, r.used_bytes, r.read_only, r.read_only_reason, r.ledgers, r.write_cache_bytes, r.version
+            r.bookie_id, r.free_bytes, r.used_bytes, r.read_only, r.read_only_reason, r.ledgers, r.write_cache_bytes, r.version,
+            r.scrub_passes, r.scrub_entries, r.scrub_corrupt, r.scrub_last_pass_end, r.scrub_running,
+            tuple((f.ledger_id, f.entry_id, f.reason, f.found_by, f.at, f.removed) for f in r.scrub_findings),
         )
+
+    async def scrub(self) -> bool:
+        """Have the bookie start a scrub pass now; False if one was already running. Its progress
+        and findings are in ``info()`` (scrub_passes, scrub_corrupt, scrub_findings)."""
+        r = await self._unary(self._stub.Scrub, pb.ScrubRequest())
+        if r.status != Status.OK:
+            raise error_for(r.status, r.error)
+        return r.started
 
     def _tracked(self, method, req, extra_s: float = 0.0):
         """Start a unary call, kept in ``_calls`` until gRPC has its status, even when the task

@@ -63,6 +63,11 @@ class BookieConfig:
     min_free_bytes: int = 256 * MiB  # under this much free space the bookie turns read-only
     disk_check_interval_s: float = 2.0
 
+    # --- scrubbing (bookie/scrub.py): read every stored entry back and verify it ---
+    scrub_interval_s: float = 86_400.0  # from the end of one pass to the start of the next (0: never scrub)
+    scrub_first_delay_s: float = 600.0  # the first pass this long after start (not in a restart storm)
+    scrub_bytes_per_s: int = 8 * MiB  # read rate of a pass (it shares the disk with the flush and reads)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.journal_dir is not None:
@@ -82,9 +87,11 @@ class BookieConfig:
             "entry_log_bytes_max",
             "read_cache_bytes",
             "read_threads",
+            "scrub_bytes_per_s",
         ):
             _positive(name, getattr(self, name))
-        for name in ("journal_group_wait_s", "min_free_bytes", "journal_inline_sync_bytes"):
+        for name in ("journal_group_wait_s", "min_free_bytes", "journal_inline_sync_bytes", "scrub_interval_s",
+                     "scrub_first_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("long_poll_max_s", "flush_interval_s", "gc_interval_s", "disk_check_interval_s",

@@ -210,17 +210,24 @@ class LogReader:
 
 
 def scan(buf, end: int) -> Iterator[tuple[int, int, int, int]]:
-    """(ledger, entry, offset, size) of each intact record in ``buf[:end]`` (an mmap of a log)."""
+    """(ledger, entry, offset, size) of each intact record in ``buf[:end]`` (an mmap of a log).
+
+    A record that fails its CRC is skipped by its length and the scan goes on (a flipped bit in
+    one record must not hide the records after it from compaction); a length that points past the
+    end, or into bytes that do not frame a record, ends the scan."""
     end = min(end, len(buf))
     off = HEADER_BYTES
     while off + FRAME.size + ENTRY_HEAD.size <= end:
         length, crc = FRAME.unpack_from(buf, off)
         stop = off + FRAME.size + length
         if length < ENTRY_HEAD.size or stop > end:
+            if off < end:
+                log.warning("entry log: no record frame at offset %d, scan stops", off)
             return
         if crc32c.crc32c(buf[off + FRAME.size : stop]) != crc:
-            log.warning("entry log: bad record at offset %d, scan stops", off)
-            return
+            log.warning("entry log: bad record at offset %d (%d bytes): skipped", off, stop - off)
+            off = stop
+            continue
         lid, eid = struct.unpack_from("<Qq", buf, off + FRAME.size)
         yield lid, eid, off, stop - off
         off = stop

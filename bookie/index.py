@@ -74,6 +74,24 @@ class Index:
             yield ENTRY_KEY.unpack(key)[2], LOCATION.unpack(it.value())
             it.next()
 
+    def locations_from(self, start: bytes, limit: int) -> tuple[list[tuple[int, int, tuple[int, int, int]]], bytes | None]:
+        """Up to ``limit`` (ledger, entry, location) of every ledger, from the entry key ``start``
+        (``entry_key``, or b"E" for the first) on; and the key to continue from (None: done). A
+        fresh iterator per call, so a long walk (the scrubber) never pins old index files."""
+        out = []
+        it = self.db.iter()
+        it.seek(start)
+        while it.valid():
+            key = it.key()
+            if key[:1] != b"E":
+                return out, None
+            if len(out) >= limit:
+                return out, key
+            _kind, lid, eid = ENTRY_KEY.unpack(key)
+            out.append((lid, eid, LOCATION.unpack(it.value())))
+            it.next()
+        return out, None
+
     def max_entry(self, ledger_id: int) -> int | None:
         it = self.db.iter()
         it.seek_for_prev(entry_key(ledger_id, MAX_ENTRY))

@@ -49,6 +49,17 @@ class BookieMetrics:
             "scroll_bookie_journal_reclaimed_bytes", "Journal bytes freed after checkpoints", registry=r
         )
         self.read_only = Gauge("scroll_bookie_read_only", "1 when the bookie refuses writes", registry=r)
+        self.scrub_entries = Counter("scroll_bookie_scrub_entries", "Stored entries read back and verified by the scrubber", registry=r)
+        self.scrub_bytes = Counter("scroll_bookie_scrub_bytes", "Entry-log bytes read back by the scrubber", registry=r)
+        self.scrub_corrupt = Counter(
+            "scroll_bookie_scrub_corrupt_entries",
+            "Corrupt stored copies found and removed from the index, by who found them", ["found_by"], registry=r,
+        )
+        self.scrub_passes = Counter("scroll_bookie_scrub_passes", "Completed scrub passes", registry=r)
+        self.scrub_last_pass = Gauge(
+            "scroll_bookie_scrub_last_pass_timestamp_seconds", "Unix time the last complete scrub pass ended", registry=r
+        )
+        self.scrub_pass_seconds = Gauge("scroll_bookie_scrub_last_pass_seconds", "Duration of the last scrub pass", registry=r)
         self.reads = Counter("scroll_bookie_read_entries", "Entries returned by reads", registry=r)
         self._hits = {"write": [0, 0], "read": [0, 0]}
         for cache in self._hits:

@@ -100,6 +100,11 @@ class BookieService(pb_grpc.BookieServicer):
             code, message = _status_of(exc)
             return pb.TrimResponse(status=code, error=message)
 
+    async def Scrub(self, request: pb.ScrubRequest, context) -> pb.ScrubResponse:
+        running = self.engine.scrubber.running
+        self.engine.scrubber.trigger()
+        return pb.ScrubResponse(status=Status.OK, started=not running)
+
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         e = self.engine
         loop = asyncio.get_running_loop()
@@ -109,7 +114,16 @@ class BookieService(pb_grpc.BookieServicer):
             read_only=e.read_only_reason is not None, read_only_reason=e.read_only_reason or "",
             ledgers=len(e.states), write_cache_bytes=e.write_cache.bytes, version=VERSION,
             data_port=self.data_port, max_batch_adds=e.config.max_batch_adds, max_batch_bytes=e.config.max_batch_bytes,
+            **_scrub_info(e.scrubber),
         )
+
+
+def _scrub_info(sc) -> dict:
+    findings = [pb.ScrubFinding(ledger_id=f.ledger_id, entry_id=f.entry_id, reason=f.reason, found_by=f.found_by, at=f.at,
+                                removed=f.removed)
+                for f in list(sc.recent)]
+    return dict(scrub_passes=sc.passes, scrub_entries=sc.entries, scrub_corrupt=sc.corrupt,
+                scrub_last_pass_end=sc.last_pass_end, scrub_running=sc.running, scrub_findings=findings)
 
 
 def bearer_token(metadata) -> str | None:

@@ -68,6 +68,7 @@ from .index import Index
 from .journal import Journal, JournalCommitter
 from .metrics import BookieMetrics
 from .runtime import named_pool
+from .scrub import PassResult, Scrubber
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,8 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._disk_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._read_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._scrub_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.scrubber = Scrubber(self)
         self._flush_wanted: asyncio.Event | None = None
         self._space: asyncio.Event | None = None
         self._flush_lock: asyncio.Lock | None = None
@@ -221,6 +224,8 @@ class Engine:
 
     def _release(self) -> None:
         self._opened = False
+        if self._scrub_pool is not None:  # its thread reads the index: done before the index closes
+            self._scrub_pool.shutdown(wait=True)
         self.journal.close()
         if self.flusher is not None:
             self.flusher.close()
@@ -679,7 +684,9 @@ class Engine:
         except FileNotFoundError:
             return self._read_one_by_one(reader, ledger_id, span)
         except CorruptEntryError as exc:
-            log.error("ledger=%d entry=%d: %s", ledger_id, span[len(out)][0], exc)
+            eid, loc = span[len(out)]
+            log.error("ledger=%d entry=%d: %s", ledger_id, eid, exc)
+            self.scrubber.report(ledger_id, eid, loc, str(exc))
             return out, True
         return out, False
 
@@ -703,6 +710,8 @@ class Engine:
                 out.append((eid, entrylog.decode(raw, ledger_id, eid)[2]))
             except CorruptEntryError as exc:
                 log.error("ledger=%d entry=%d: %s", ledger_id, eid, exc)
+                if loc is not None:
+                    self.scrubber.report(ledger_id, eid, loc, str(exc))
                 return out, True
         return out, False
 
@@ -819,6 +828,11 @@ class Engine:
         self.metrics.gc_reclaimed_bytes.inc(result.reclaimed_bytes)
         return result
 
+    def scrub(self) -> PassResult:
+        """Synchronous scrub pass (tests, tools; the started engine scrubs in the background)."""
+        self._check_open()
+        return self.scrubber.scrub_now()
+
     def _maybe_want_flush(self) -> None:
         if self._flush_wanted is not None and self.write_cache.active.bytes >= self._flush_trigger:
             self._flush_wanted.set()
@@ -894,6 +908,7 @@ class Engine:
         cfg = self.config
         self._disk_pool = named_pool(1, "bookie-disk")
         self._read_pool = named_pool(cfg.read_threads, "bookie-read")
+        self._scrub_pool = named_pool(1, "bookie-scrub")
         self._flush_wanted = asyncio.Event()
         self._space = asyncio.Event()
         self._flush_lock = asyncio.Lock()
@@ -912,6 +927,7 @@ class Engine:
             loop.create_task(self._flush_loop(), name="bookie-flush"),
             loop.create_task(self._every(cfg.gc_interval_s, self.gc_async), name="bookie-gc"),
             loop.create_task(self._every(cfg.disk_check_interval_s, self._check_disk_async), name="bookie-disk-check"),
+            loop.create_task(self.scrubber.loop(self._scrub_pool), name="bookie-scrub"),
         ]
 
     async def wait_durable(self, seq: int) -> None:

@@ -54,6 +54,11 @@ class BookieStub:
                 request_serializer=bookie_dot_proto_dot_bookie__pb2.InfoRequest.SerializeToString,
                 response_deserializer=bookie_dot_proto_dot_bookie__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Scrub = channel.unary_unary(
+                '/scroll.bookie.v1.Bookie/Scrub',
+                request_serializer=bookie_dot_proto_dot_bookie__pb2.ScrubRequest.SerializeToString,
+                response_deserializer=bookie_dot_proto_dot_bookie__pb2.ScrubResponse.FromString,
+                _registered_method=True)
 
 
 class BookieServicer:
@@ -83,6 +88,13 @@ class BookieServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scrub(self, request, context):
+        """start a scrub pass now (progress: Info)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BookieServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_BookieServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=bookie_dot_proto_dot_bookie__pb2.InfoRequest.FromString,
                     response_serializer=bookie_dot_proto_dot_bookie__pb2.InfoResponse.SerializeToString,
+            ),
+            'Scrub': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scrub,
+                    request_deserializer=bookie_dot_proto_dot_bookie__pb2.ScrubRequest.FromString,
+                    response_serializer=bookie_dot_proto_dot_bookie__pb2.ScrubResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +232,33 @@ class Bookie:
             '/scroll.bookie.v1.Bookie/Info',
             bookie_dot_proto_dot_bookie__pb2.InfoRequest.SerializeToString,
             bookie_dot_proto_dot_bookie__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scrub(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scroll.bookie.v1.Bookie/Scrub',
+            bookie_dot_proto_dot_bookie__pb2.ScrubRequest.SerializeToString,
+            bookie_dot_proto_dot_bookie__pb2.ScrubResponse.FromString,
             options,
             channel_credentials,
             insecure,
