@@ -11,7 +11,10 @@ the Prometheus endpoint, and prints one readiness line once serving::
 Security (docs/security.md, "Bookies"): ``--tls-cert/--tls-key`` put both ports on TLS;
 ``--tls-client-ca`` with ``--tls-client-auth requested|required`` adds mutual TLS (a verified client
 certificate authenticates its caller); ``--auth-token-file`` lists accepted tokens. With a token file
-or required client certificates, unauthenticated callers are refused. Files are read at start.
+or required client certificates, unauthenticated callers are refused. Files are read at start;
+SIGHUP re-reads the certificate, key and client CA (not the token file): new TLS handshakes on
+both ports use them, connected clients carry on, and files that cannot be used are logged at
+ERROR while the certificate in use stays (docs/security.md, "Rotating certificates").
 
 On SIGTERM or SIGINT it stops taking calls, lets in-flight calls finish, syncs the journal,
 checkpoints and exits 0, printing ``bookie stopped``.
@@ -119,6 +122,7 @@ async def _serve(config: BookieConfig, host: str, port: int, metrics_port: int |
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_certificates)
     shown = f"{host}:{http.server_port}" if http is not None else "none"
     sec = server.security
     secured = ("tls" if sec.tls else "plaintext") + (f" client_auth={sec.client_auth}" if sec.tls else "") \

@@ -32,6 +32,7 @@ import logging
 import struct
 
 from fragments.security import AUTH_REQUIRED_MESSAGE, INVALID_TOKEN_MESSAGE, BookieSecurity
+from fragments.tlsreload import ReloadableServerContext
 from terms.bookie_rules import Reject
 
 from . import wire
@@ -64,11 +65,16 @@ class DataServer:
         self.inflight = 0
         self.connections: set[DataConnection] = set()
         self._server: asyncio.Server | None = None
+        # TLS: the certificate BookieServer.reload_certificates replaces (SIGHUP) for new handshakes
+        self.tls: ReloadableServerContext | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.security.tls:
+            self.tls = ReloadableServerContext(self.security.server_ssl_context, "bookie data port",
+                                               self.security.tls_cert)
         self._server = await loop.create_server(lambda: DataConnection(self), self.host, self.port, reuse_address=True,
-                                                ssl=self.security.server_ssl_context())
+                                                ssl=self.tls.context if self.tls is not None else None)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def gauge(self, delta: int) -> None:

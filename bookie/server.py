@@ -15,6 +15,9 @@ Security (``fragments.security.BookieSecurity``): with a certificate both ports 
 authentication is required, ``AuthInterceptor`` stands in front of every gRPC method (including
 Info): a call passes with ``authorization: Bearer <token>`` metadata naming an accepted token, or
 with a verified client certificate; otherwise it ends UNAUTHENTICATED before the handler runs.
+``reload_certificates`` (``scroll bookie`` calls it on SIGHUP) re-reads the certificate, key and
+client CA files: new handshakes on both ports use them, existing connections carry on; files that
+cannot be used are logged and the certificate in use stays (``fragments.tlsreload``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import grpc
 
 from fragments.security import AUTH_REQUIRED_MESSAGE, INVALID_TOKEN_MESSAGE, BookieSecurity
+from fragments.tlsreload import GrpcServerCertificates
 from terms.bookie_rules import Reject
 
 from .config import BookieConfig
@@ -187,6 +191,7 @@ class BookieServer:
         self.engine = Engine(config, self.metrics)
         self.server: grpc.aio.Server | None = None
         self.service: BookieService | None = None
+        self.grpc_certs: GrpcServerCertificates | None = None
         self.bookie_id = config.bookie_id
         self._stopped = asyncio.Event()
 
@@ -209,10 +214,9 @@ class BookieServer:
         )
         sec = self.security
         if sec.tls:
-            key, chain, client_ca = sec.grpc_pem()
-            creds = grpc.ssl_server_credentials([(key, chain)], root_certificates=client_ca,
-                                                require_client_auth=sec.client_auth == "required")
-            bound = self.server.add_secure_port(f"{self.host}:{self.port}", creds)
+            self.grpc_certs = GrpcServerCertificates(sec.tls_cert, sec.tls_key, sec.client_ca,
+                                                     sec.client_auth == "required", "bookie gRPC port")
+            bound = self.server.add_secure_port(f"{self.host}:{self.port}", self.grpc_certs.credentials)
         else:
             bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
         if bound == 0:
@@ -225,6 +229,25 @@ class BookieServer:
         self.service = BookieService(self.engine, self.bookie_id, self.data_port)
         pb_grpc.add_BookieServicer_to_server(self.service, self.server)
         await self.server.start()
+
+    def reload_certificates(self) -> bool:
+        """Re-read the TLS files for new handshakes on both ports (all or nothing: if either port
+        cannot use them, both keep the certificate in use, and the reason is logged). Whether the
+        new files are in use; False without TLS."""
+        if self.grpc_certs is None or self.data is None or self.data.tls is None:
+            log.warning("certificate reload asked for, but this bookie does not use TLS")
+            return False
+        try:
+            ctx, desc = self.data.tls.prepare()
+            config, _ = self.grpc_certs.prepare()
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the certificate in use
+            log.error("certificate reload failed, the bookie keeps the certificate in use (%s, key %s): %s",
+                      self.security.tls_cert, self.security.tls_key, exc)
+            return False
+        self.data.tls.commit(ctx)
+        self.grpc_certs.commit(config)
+        log.info("certificates reloaded: new handshakes on the gRPC and data ports present %s", desc)
+        return True
 
     async def stop(self, grace_s: float = 5.0) -> None:
         if self.data is not None:

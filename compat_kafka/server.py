@@ -25,6 +25,10 @@ SASL_AUTHENTICATION_FAILED, then the connection is closed. Handlers see the prin
 ``connections_max_reauth_ms``, SaslAuthenticate v1+ answers that session lifetime; a SaslHandshake
 on an authenticated connection then starts a re-authentication (same principal, or the connection
 is closed), and any other request after the session ended closes the connection.
+
+TLS certificates: ``KafkaServer.reload_certificates`` (``scroll kafka`` calls it on SIGHUP) re-reads
+each TLS listener's certificate, key and client CA for new handshakes; connected clients carry on;
+files that cannot be used are logged and the certificate in use stays (``fragments.tlsreload``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kio.schema.errors import ErrorCode
+
+from fragments.tlsreload import ReloadableServerContext
 
 from .broker import Broker
 from .security import sasl
@@ -68,7 +74,7 @@ class TlsConfig:
             raise ValueError("mutual TLS needs the CA file that signs the client certificates")
 
     def server_context(self) -> ssl.SSLContext:
-        """A server-side context (TLS 1.2+); files are read now (a restart picks up new ones)."""
+        """A server-side context (TLS 1.2+); files are read now (KafkaServer.reload_certificates reads them again)."""
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
@@ -166,6 +172,11 @@ class KafkaServer:
         self.config = config or ServerConfig()
         self._servers: list[tuple[ListenerConfig, asyncio.AbstractServer]] = []
         self._conns: set[asyncio.Task] = set()
+        self._tls: dict[str, ReloadableServerContext] = {}  # listener name -> its reloadable context
+
+    def reload_certificates(self) -> bool:
+        """Re-read every TLS listener's files for new handshakes; whether all of them took the new ones."""
+        return all([tls.reload() for tls in self._tls.values()])
 
     @property
     def port(self) -> int:
@@ -182,7 +193,11 @@ class KafkaServer:
         """Bind every listener, register the broker with their ports, then serve."""
         try:
             for li in self.config.listeners:
-                tls = li.tls.server_context() if li.tls_on else None
+                tls = None
+                if li.tls_on:
+                    self._tls[li.name] = ReloadableServerContext(li.tls.server_context, f"Kafka {li.name} listener",
+                                                                 li.tls.cert_file)
+                    tls = self._tls[li.name].context
                 # a handshake that fails (a plaintext client, an untrusted or missing client
                 # certificate) is logged by asyncio and the connection closed before any request
                 srv = await asyncio.start_server(functools.partial(self._connection, li), li.host, li.port,

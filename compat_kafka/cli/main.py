@@ -35,8 +35,8 @@ from .group_cli import groups_command
 async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,
                 started: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                 on_start: Callable[[KafkaServer], None] | None = None, metrics=None, security=None) -> None:
-    """Run until ``stop`` is set (or SIGINT/SIGTERM when it is None); ``on_start`` is given the
-    server once it listens (tests look inside)."""
+    """Run until ``stop`` is set (or SIGINT/SIGTERM when it is None; then SIGHUP reloads the TLS
+    listeners' certificates); ``on_start`` is given the server once it listens (tests look inside)."""
     from streams.client import connect
 
     client = await connect(metadata_url, security=security)  # security: towards secured bookies
@@ -53,6 +53,8 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError):
                     loop.add_signal_handler(sig, stop.set)
+            with contextlib.suppress(NotImplementedError):  # SIGHUP: new handshakes use the re-read certificates
+                loop.add_signal_handler(signal.SIGHUP, server.reload_certificates)
         if started is not None:
             started.set()
         await stop.wait()

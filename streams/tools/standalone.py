@@ -10,6 +10,8 @@ runs) and runs the retention job on a schedule. A child that dies is restarted (
 and the restart is counted and logged; Ctrl-C (SIGINT) or SIGTERM stops the Kafka listener, the
 bookies and etcd, in that order, and waits for each. Starting again on the same directory keeps
 the data. Ports already in use fail fast with a message naming the option that moves them.
+SIGHUP (once running) is forwarded to the bookies and the Kafka listener, which reload their TLS
+certificates (``reload_certificates``; under ``--secure`` expiring certificates are issued first).
 
 ``--secure`` turns on TLS and authentication everywhere (``Secure`` below): a local CA and
 certificates under ``<data-dir>/pki`` (``tools/pki.py``), etcd over TLS with auth on, bookies over
@@ -312,6 +314,24 @@ class Standalone:
             with contextlib.suppress(Exception):
                 self._metrics_server.shutdown()
             self._metrics_server = None
+
+    def reload_certificates(self) -> list[str]:
+        """SIGHUP to standalone: under ``--secure``, issue again any certificate that is about to
+        expire (``LocalPki.ensure``), then forward SIGHUP to the bookies and the Kafka listener, which
+        re-read their certificate files for new handshakes (etcd reads its files at every handshake
+        by itself). The children signalled, by name."""
+        if self.secure is not None:
+            try:
+                self.secure.pki.ensure()
+            except Exception as exc:  # noqa: BLE001 - the children keep the certificates they have
+                log.error("cannot renew the certificates under %s: %s", self.secure.pki.directory, exc)
+        sent = []
+        for p in [*self.cluster.bookies, self.kafka]:
+            if p is not None and p.alive:
+                p.signal(signal.SIGHUP)
+                sent.append(p.name)
+        log.info("SIGHUP forwarded to %s", ", ".join(sent) or "no child")
+        return sent
 
     def processes(self) -> list[Proc]:
         out = [p for p in [self.cluster.etcd, *self.cluster.bookies, self.kafka,
@@ -647,6 +667,7 @@ def run(config: StandaloneConfig) -> None:
         loop = asyncio.get_running_loop()
         for s in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(s, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, sa.reload_certificates)
         await sa.run_forever(stop)
 
     try:
