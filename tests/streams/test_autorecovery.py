@@ -223,3 +223,79 @@ def test_auditor_election_takes_over(rcluster):
     assert d["auditor"] is None and set(d) >= {"lost_bookies", "underreplicated", "progress"}
     p = subprocess.run([*SCROLL, "autorecovery", "status"], capture_output=True, env=env, timeout=120)
     assert p.returncode == 0 and b"auditor: none" in p.stdout, p.stderr.decode()
+
+
+def test_delay_drops_a_bookie_that_returns_and_an_open_fragment_is_taken_over(rcluster):
+    s = "autorec-open"
+    stopped: list[int] = []
+
+    async def main():
+        c = await connect(rcluster.metadata_url, add_timeout_s=3.0, call_timeout_s=3.0)
+        await c.create_stream(s, ensemble=3, write_quorum=3, ack_quorum=2, fragment_entries_max=8)
+        p = await c.producer(s)
+        for i in range(N):
+            await p.append(b"value-%d" % i)
+        await p.close()  # not sealed: the last fragment stays open, with no writer
+        frags = await fragments(c, s)
+        assert not frags[-1].sealed
+        victim = frags[-1].ensemble[1]
+        stop = asyncio.Event()
+        ar = AutoRecovery(c, AutoRecoveryConfig(lost_bookie_delay_s=3600, open_ledger_grace_s=0, lease_ttl_s=3,
+                                                retry_s=0.5, relist_s=5))
+        task = asyncio.create_task(ar.run(stop))
+        try:
+            await until(lambda: asyncio.sleep(0, ar.is_auditor), "the auditor")
+            # 1. a long delay: the bookie is lost, comes back before the delay ends, nothing is marked
+            rcluster.bookies[idx(victim)].signal(signal.SIGSTOP)
+            stopped.append(idx(victim))
+
+            async def lost():
+                return victim in (await status(c))["lost_bookies"]
+
+            await until(lost, f"{victim} to be seen lost")
+            st = await status(c)
+            assert not st["lost_bookies"][victim]["marked"] and not st["underreplicated"]
+            rcluster.bookies[idx(victim)].signal(signal.SIGCONT)
+            stopped.remove(idx(victim))
+            await until(lambda: _back(c, victim), f"{victim} to register again")
+            await until(lambda: _not_lost(c, victim), f"{victim} to be dropped from the lost bookies")
+            assert not (await status(c))["underreplicated"] and ar.repaired == 0
+
+            # 2. delay 0 and no grace: the open fragment is taken over, then repaired with the others
+            ar.config.lost_bookie_delay_s = 0
+            meta_before, _ = await c.cluster.ledgers.get_ledger(s)
+            rcluster.bookies[idx(victim)].signal(signal.SIGSTOP)
+            stopped.append(idx(victim))
+
+            async def repaired():
+                fs = await fragments(c, s)
+                return not any(victim in f.ensemble for f in fs) and not (await status(c))["underreplicated"]
+
+            await until(repaired, "the open fragment taken over and everything repaired", timeout_s=120)
+            meta_after, _ = await c.cluster.ledgers.get_ledger(s)
+            assert meta_after.term > meta_before.term and ar.takeovers >= 1
+            # every record readable with the victim still stopped; the next writer appends after them
+            cons = await c.consumer(s, start="earliest")
+            assert [r.value for r in await cons.read(1000)] == [b"value-%d" % i for i in range(N)]
+            p = await c.producer(s)
+            assert await p.append(b"after") == N
+            await p.close()
+        finally:
+            stop.set()
+            await task
+            await c.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for i in stopped:
+            rcluster.bookies[i].signal(signal.SIGCONT)
+
+
+async def _not_lost(c, b):
+    return b not in (await status(c))["lost_bookies"]
+
+
+def test_standalone_options():
+    p = subprocess.run([*SCROLL, "standalone", "--help"], capture_output=True, timeout=120)
+    assert b"--no-autorecovery" in p.stdout and b"--lost-bookie-delay" in p.stdout
