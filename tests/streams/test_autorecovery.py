@@ -299,3 +299,25 @@ async def _not_lost(c, b):
 def test_standalone_options():
     p = subprocess.run([*SCROLL, "standalone", "--help"], capture_output=True, timeout=120)
     assert b"--no-autorecovery" in p.stdout and b"--lost-bookie-delay" in p.stdout
+
+
+def test_throttle_paces_copies(monkeypatch):
+    from streams.tools import autorecovery
+
+    slept: list[float] = []
+
+    async def fake_sleep(s):
+        slept.append(s)
+
+    async def main():
+        b = autorecovery._Bucket(1000.0)
+        monkeypatch.setattr(autorecovery.asyncio, "sleep", fake_sleep)
+        for _ in range(5):
+            await b.take(500)  # at 1000 B/s the k-th batch of 500 bytes may go 0.5 * k s after the first
+        unthrottled = autorecovery._Bucket(None)
+        await unthrottled.take(10**9)
+        return b
+
+    asyncio.run(main())
+    # the fake sleep does not advance the clock: each wait is counted from (about) the same start
+    assert len(slept) == 4 and slept == sorted(slept) and 1.9 < slept[-1] <= 2.0 + 1e-6
