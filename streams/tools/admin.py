@@ -40,7 +40,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 from bookie.client import Entry
@@ -62,6 +62,7 @@ from ..errors import InvalidArgument, NoSuchStream, ScrollError
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
+Throttle = Callable[[int], Awaitable[None]]  # called with the bytes about to be copied; may sleep
 _READ_BATCH = 1000
 
 
@@ -354,9 +355,10 @@ async def _sources(cluster, meta: LedgerMeta, f: Fragment, ids: list[int], exclu
     return out
 
 
-async def _write_copies(cluster, meta: LedgerMeta, f: Fragment, target: str, entries: list[Entry]) -> None:
+async def _write_copies(cluster, meta: LedgerMeta, f: Fragment, target: str, entries: list[Entry],
+                        throttle: Throttle | None = None) -> None:
     """Recovery adds of ``entries`` (of ``f``) to ``target`` at the term of the ledger they live in
-    (see the module docstring)."""
+    (see the module docstring). ``throttle`` is awaited with each batch's bytes before it is sent."""
     bc = cluster.client(target)
     if bc is None:
         raise AdminError(f"bookie {target} is not reachable")
@@ -364,6 +366,8 @@ async def _write_copies(cluster, meta: LedgerMeta, f: Fragment, target: str, ent
     for i in range(0, len(entries), _READ_BATCH):
         chunk = entries[i:i + _READ_BATCH]
         reqs = [AddRequest(ledger_id, e.entry_id + shift, term, -1, -1, e.data, False, True) for e in chunk]
+        if throttle is not None:
+            await throttle(sum(len(e.data) for e in chunk))
         res = await bc.submit(reqs)
         if not res.all_ok:
             bad = [(r.entry_id, res.status(j)) for j, r in enumerate(reqs) if res.status(j) != 0]
@@ -376,7 +380,8 @@ def _slot_ids(f: Fragment, slot: int, wq: int) -> list[int]:
     return [e for e in range(f.first_entry_id, f.last_entry_id + 1) if slot in write_set_indexes(e % n, n, wq)]
 
 
-async def _refill(cluster, meta: LedgerMeta, f: Fragment, slot: int, target: str, ids: list[int]) -> int:
+async def _refill(cluster, meta: LedgerMeta, f: Fragment, slot: int, target: str, ids: list[int],
+                  throttle: Throttle | None = None) -> int:
     """Copy ``ids`` (entries of ``slot`` in sealed ``f``) onto ``target``; returns how many."""
     if not ids:
         return 0
@@ -388,7 +393,7 @@ async def _refill(cluster, meta: LedgerMeta, f: Fragment, slot: int, target: str
         if lost:
             raise AdminError(f"stream {meta.name!r} fragment {f.index}: no replica holds entries {lost[:5]}"
                              f"{'…' if len(lost) > 5 else ''}")
-        await _write_copies(cluster, meta, f, target, [src[e] for e in chunk])
+        await _write_copies(cluster, meta, f, target, [src[e] for e in chunk], throttle)
         copied += len(chunk)
     return copied
 
@@ -466,17 +471,7 @@ async def check(client, fix: bool = False, stream: str | None = None, progress: 
                 rep.error = await _object_problem(cluster, f)
                 out.append(rep)
                 continue
-            rep.gone = sorted(b for b in set(f.ensemble) if b not in live)
-            copies = await _copies(cluster, meta, f, f.first_entry_id, last)
-            missing: dict[str, list[int]] = {}
-            for eid, per in copies.items():
-                have = [b for b, cp in per.items() if isinstance(cp, Entry)]
-                if len(have) < meta.config.write_quorum:
-                    rep.under_replicated += 1
-                for b, cp in per.items():
-                    if not isinstance(cp, Entry):
-                        missing.setdefault(b, []).append(eid)
-            rep.missing = {b: len(ids) for b, ids in missing.items()}
+            missing = await inspect_fragment(cluster, meta, f, last, live, rep)
             if not rep.under_replicated:
                 continue
             if not f.sealed:
@@ -485,13 +480,31 @@ async def check(client, fix: bool = False, stream: str | None = None, progress: 
                 rep.action = "would re-replicate"
             else:
                 try:
-                    await _fix_fragment(client, meta, f, missing, live, rep)
+                    await fix_fragment(client, meta, f, missing, live, rep)
                 except (AdminError, BookieError, NotEnoughBookies) as exc:
                     rep.error = str(exc)
             out.append(rep)
     if progress:
         progress("", len(names), len(names))
     return [r.to_dict() for r in out]
+
+
+async def inspect_fragment(cluster, meta: LedgerMeta, f: Fragment, last: int, live: set[str],
+                           rep: FragmentReport) -> dict[str, list[int]]:
+    """Fill ``rep`` (gone members, entries under the write quorum, missing copies per bookie) for
+    entries ``f.first_entry_id..last`` of ``f``; returns bookie -> the entry ids it lacks."""
+    rep.gone = sorted(b for b in set(f.ensemble) if b not in live)
+    copies = await _copies(cluster, meta, f, f.first_entry_id, last)
+    missing: dict[str, list[int]] = {}
+    for eid, per in copies.items():
+        have = [b for b, cp in per.items() if isinstance(cp, Entry)]
+        if len(have) < meta.config.write_quorum:
+            rep.under_replicated += 1
+        for b, cp in per.items():
+            if not isinstance(cp, Entry):
+                missing.setdefault(b, []).append(eid)
+    rep.missing = {b: len(ids) for b, ids in missing.items()}
+    return missing
 
 
 async def _object_problem(cluster, f: Fragment) -> str | None:
@@ -513,23 +526,33 @@ async def _object_problem(cluster, f: Fragment) -> str | None:
     return None
 
 
-async def _fix_fragment(client, meta, f: Fragment, missing: dict[str, list[int]], live: set[str], rep) -> None:
+async def fix_fragment(client, meta, f: Fragment, missing: dict[str, list[int]], live: set[str], rep, *,
+                       throttle: Throttle | None = None,
+                       before_commit: Callable[[Fragment, Fragment], Awaitable[None]] | None = None) -> None:
+    """Re-replicate sealed ``f`` (``missing`` and ``live`` as ``inspect_fragment`` found them): a
+    live member's missing copies are refilled in place; a gone member's slot goes to a replacement
+    placed to keep the racks spread, committed by ``_replace_in_record`` (a CAS: nothing changes if
+    the fragment or ledger record moved meanwhile). ``before_commit(old, new)`` runs after the
+    copies and before that CAS (a test hook)."""
     cluster = client.cluster
     ens = list(f.ensemble)
     replaced = {}
     for b, ids in missing.items():
         slot = ens.index(b)
         if b in live:
-            rep.copied += await _refill(cluster, meta, f, slot, b, ids)
+            rep.copied += await _refill(cluster, meta, f, slot, b, ids, throttle)
         else:
             keep = {i: x for i, x in enumerate(ens) if i != slot}
             new_ens = _placement(cluster).choose(len(ens), exclude=set(f.ensemble) | set(replaced.values()), keep=keep)
             target = new_ens[slot]
-            rep.copied += await _refill(cluster, meta, f, slot, target, _slot_ids(f, slot, meta.config.write_quorum))
+            rep.copied += await _refill(cluster, meta, f, slot, target, _slot_ids(f, slot, meta.config.write_quorum),
+                                        throttle)
             replaced[slot] = target
             ens[slot] = target
     if replaced:
         new = f.with_(ensemble=tuple(ens))
+        if before_commit is not None:
+            await before_commit(f, new)
         if not await _replace_in_record(client, meta, f, new):
             raise AdminError("the fragment or ledger changed while copying; run check again")
         rep.new_ensemble = list(ens)

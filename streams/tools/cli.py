@@ -1234,6 +1234,96 @@ def check(fix, stream_name, metadata, as_json):
         sys.exit(1)
 
 
+# ---------------------------------------------------------------------------------------- autorecovery
+@main.group(invoke_without_command=True)
+@click.option("--lost-bookie-delay", "lost_bookie_delay_s", default=30.0, show_default=True,
+              type=click.FloatRange(0), help="Seconds a bookie must be gone before its fragments are re-replicated.")
+@click.option("--open-grace", "open_ledger_grace_s", default=60.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds after a bookie loss before a stream whose open fragment names it is taken over.")
+@click.option("--max-bytes-per-s", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Throttle: bytes copied per second by this instance (default: unthrottled).")
+@click.option("--max-in-flight", "max_fragments_in_flight", default=2, show_default=True, type=click.IntRange(1),
+              help="Fragments this instance repairs at once.")
+@click.option("--metrics-port", default=None, type=click.IntRange(1, 65535),
+              help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@metadata_option
+@click.pass_context
+def autorecovery(ctx, lost_bookie_delay_s, open_ledger_grace_s, max_bytes_per_s, max_fragments_in_flight,
+                 metrics_port, metadata):
+    """Re-replicate the fragments of lost bookies (an auditor elected among the instances, and a
+    replication worker in each). Runs in the foreground until Ctrl-C; run one or more per cluster.
+
+    \b
+    Examples:
+      scroll autorecovery --lost-bookie-delay 60 --max-bytes-per-s 50000000
+      scroll autorecovery status --json
+    """
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = {**(ctx.obj or {}), "metadata": metadata}
+        return
+    import asyncio
+    import signal as _signal
+
+    from .autorecovery import AutoRecovery, AutoRecoveryConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = AutoRecoveryConfig(lost_bookie_delay_s=lost_bookie_delay_s, open_ledger_grace_s=open_ledger_grace_s,
+                                max_bytes_per_s=max_bytes_per_s, max_fragments_in_flight=max_fragments_in_flight)
+    registry = None
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry()
+        start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
+
+    async def go(client):
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (_signal.SIGINT, _signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        ar = AutoRecovery(client, config, registry=registry)
+        click.echo(f"{ar.id}: autorecovery running (lost-bookie delay {lost_bookie_delay_s:g} s); Ctrl-C stops")
+        await ar.run(stop)
+
+    _arun(metadata, go)
+
+
+@autorecovery.command("status")
+@metadata_option
+@json_option
+@click.pass_context
+def autorecovery_status(ctx, metadata, as_json):
+    """The auditor, lost bookies and since when, the to-do list and progress."""
+    from .autorecovery import status
+
+    parent = (ctx.parent.obj or {}).get("metadata") if ctx.parent is not None else None
+    if parent and ctx.get_parameter_source("metadata") is click.core.ParameterSource.DEFAULT:
+        metadata = parent
+    d = _arun(metadata, status)
+    if as_json:
+        click.echo(json.dumps(d))
+        return
+    aud = d["auditor"]
+    click.echo(f"auditor: {aud['id']} (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(aud['since']))})"
+               if aud else "auditor: none (no autorecovery instance is running)")
+    click.echo(f"live bookies: {', '.join(d['live_bookies']) or '-'}")
+    for b, rec in d["lost_bookies"].items():
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["since"]))
+        click.echo(f"lost: {b} since {when} ({time.time() - rec['since']:.0f} s ago), "
+                   + (f"{rec.get('fragments', 0)} fragments marked" if rec["marked"] else "not marked yet"))
+    from rich.table import Table
+
+    t = Table("stream", "fragment", "lost bookies", "open", "claimed by", "attempts", "error",
+              title=f"under-replicated fragments: {len(d['underreplicated'])}")
+    for it in d["underreplicated"]:
+        t.add_row(it["stream"], str(it["fragment"]), ", ".join(it["bookies"]), "yes" if it["open"] else "",
+                  it["claimed_by"] or "-", str(it.get("attempts", 0)), it.get("error") or "")
+    _console().print(t)
+    p = d["progress"]
+    click.echo(f"progress: {p.get('repaired', 0)} fragments repaired, {p.get('bytes', 0)} bytes copied, "
+               f"{p.get('takeovers', 0)} take-overs")
+
+
 # ---------------------------------------------------------------------------------------- bookie
 def _bookie_group() -> click.Group:
     """``scroll bookie [OPTIONS]`` runs a bookie (unchanged); ``scroll bookie decommission ID``

@@ -71,6 +71,8 @@ class StandaloneConfig:
     extra_kafka_args: list[str] = field(default_factory=list)
     etcd_auth: bool = False  # etcd with auth on: root's password in <data-dir>/etcd/root.password
     secure: bool = False  # TLS and authentication everywhere (implies etcd_auth)
+    autorecovery: bool = True  # re-replicate a lost bookie's fragments (streams/tools/autorecovery.py)
+    lost_bookie_delay_s: float = 30.0
 
     @property
     def bookie_ports(self) -> list[int]:
@@ -206,6 +208,8 @@ class Standalone:
         self._metrics = None
         self._listed: tuple[float, list | None] = (0.0, None)  # (when, every ledger record) of the last listing
         self._metrics_server = None
+        self._registry = None  # the metrics' CollectorRegistry (autorecovery adds its own to it)
+        self.autorecovery = None  # the AutoRecovery instance while run_forever runs
 
     def _seaweed(self):
         """The embedded S3 server (SeaweedFS, loopback only). Under ``--secure`` it requires signed
@@ -416,6 +420,7 @@ class Standalone:
                                   registry=reg),
         }
         self._metrics = m
+        self._registry = reg
         server, _thread = start_http_server(self.config.metrics_port, addr="127.0.0.1", registry=reg)
         self._metrics_server = server
 
@@ -464,6 +469,7 @@ class Standalone:
             f"  retention        every {c.retention_interval_s:g} s  (scroll retention run --dry-run to preview)",
             f"  compaction       every {c.compaction_interval_s:g} s  (scroll compaction run --dry-run to preview)",
             *self._tier_lines(),
+            self._autorecovery_line(),
             f"  logs             {self.dir}/*/*.log",
             "try it:",
             f"  echo hello | kcat -b 127.0.0.1:{c.kafka_port} -t greetings -P && "
@@ -471,6 +477,12 @@ class Standalone:
             f"  .venv/bin/python -c \"import streams.sync as s; c = s.connect('{url}'); "
             "print([(r.offset, r.value) for r in c.consumer('greetings').read(10)])\"",
         ])
+
+    def _autorecovery_line(self) -> str:
+        if not self.config.autorecovery:
+            return "  autorecovery     off (--no-autorecovery): scroll check --fix re-replicates by hand"
+        return (f"  autorecovery     a lost bookie's fragments re-replicated after {self.config.lost_bookie_delay_s:g} s "
+                "(scroll autorecovery status)")
 
     def _tier_lines(self) -> list[str]:
         if self.seaweed is None:
@@ -496,6 +508,7 @@ class Standalone:
             f"  retention        every {c.retention_interval_s:g} s",
             f"  compaction       every {c.compaction_interval_s:g} s",
             *self._tier_lines(),
+            self._autorecovery_line(),
             f"  logs             {self.dir}/*/*.log",
             "try it:",
             f"  echo hello | kcat -F {kp} -t greetings -P && kcat -F {kp} -t greetings -C -e",
@@ -515,6 +528,13 @@ class Standalone:
         next_tier = time.monotonic() + min(10.0, self.config.tier_interval_s)
         next_stream_metrics = 0.0
         backoff_until = 0.0
+        recovery = None
+        if self.config.autorecovery:
+            from .autorecovery import AutoRecovery, AutoRecoveryConfig
+
+            self.autorecovery = AutoRecovery(client, AutoRecoveryConfig(
+                lost_bookie_delay_s=self.config.lost_bookie_delay_s), registry=self._registry)
+            recovery = asyncio.create_task(self.autorecovery.run(stop), name="autorecovery")
         try:
             while not stop.is_set():
                 now = time.monotonic()
@@ -541,6 +561,11 @@ class Standalone:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.5)
         finally:
+            if recovery is not None:
+                if not recovery.done():
+                    recovery.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await recovery
             with contextlib.suppress(Exception):
                 await client.close()
 
@@ -708,10 +733,15 @@ def run(config: StandaloneConfig) -> None:
                    "<data-dir>/client.properties (kcat -F) and <data-dir>/scroll-client.properties.")
 @click.option("--etcd-auth", is_flag=True,
               help="Run etcd with its auth on (user root, a random password kept in <data-dir>/etcd/root.password).")
+@click.option("--autorecovery/--no-autorecovery", default=True, show_default=True,
+              help="Re-replicate the fragments of a bookie that stays gone (scroll autorecovery status).")
+@click.option("--lost-bookie-delay", "lost_bookie_delay_s", default=30.0, show_default=True,
+              type=click.FloatRange(0), help="Seconds a bookie must be gone before autorecovery re-replicates.")
 def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_peer_port: int, bookie_base_port: int,
                        metrics_port: int, bookies: int, retention_interval_s: float, compaction_interval_s: float,
                        tier_interval_s: float, object_store: bool, object_store_port: int,
-                       default_partitions: int, secure: bool, etcd_auth: bool) -> None:
+                       default_partitions: int, secure: bool, etcd_auth: bool, autorecovery: bool = True,
+                       lost_bookie_delay_s: float = 30.0) -> None:
     """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
     127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
 
@@ -733,4 +763,5 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
                          retention_interval_s=retention_interval_s, compaction_interval_s=compaction_interval_s,
                          tier_interval_s=tier_interval_s, object_store=object_store,
                          object_store_port=object_store_port, default_partitions=default_partitions,
-                         etcd_auth=etcd_auth, secure=secure))
+                         etcd_auth=etcd_auth, secure=secure, autorecovery=autorecovery,
+                         lost_bookie_delay_s=lost_bookie_delay_s))
