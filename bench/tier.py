@@ -13,7 +13,9 @@ same run, on the same bytes:
    verify, rest = metadata) measured by wrapping those calls during that run; **reference**: the
    same number of objects of the same sizes, random bytes, ``put_if_absent`` sequentially through
    the same ``ObjectStore``. Ratio offload / raw PUT (goal >= 0.5).
-2. **bookie read** (context): the native consumer reads the whole stream from its bookie copies.
+2. **bookie read** (context): the native consumer reads the whole stream from its bookie copies;
+   then the **Kafka fetch from bookies**: a ``scroll kafka`` listener process and a confluent-kafka
+   consumer read the partition from the beginning (the reference for 5).
 3. **bytes per bookie**: ``local_retention_bytes`` = stream size / 10, ``run_tier`` releases the
    rest, the bookies' GC runs; each bookie's data directory (entry logs, index, journal) against
    the stream size and the object bytes.
@@ -21,11 +23,24 @@ same run, on the same bytes:
    reads the whole stream from the objects: records/s and MB/s (of object bytes; goal >= 150k 1 KiB
    records/s and >= 0.5 of raw GET); **reference**: raw GETs of every object, sequential whole-object
    ``get`` and 4 concurrent ranged GETs of 4 MiB; the ratio is against the better of the two.
-5. **Kafka fetch** of the offloaded partition: a ``scroll kafka`` listener process, a confluent-kafka
-   consumer from the beginning: records/s and MB/s, ratio to the same raw GET (``--no-kafka``: skip).
+5. **Kafka fetch from objects**: the same listener command, client and settings as in 2 on the
+   now offloaded partition: records/s, MB/s, ratio to the same raw GET and to the fetch from bookies
+   (which says how much of the gap to raw GET is the tier's and how much the listener path's own).
+   Each Kafka read also reports the listener's CPU seconds (of one core), this process's (the
+   client's) and librdkafka's statistics of its last second (Fetch requests, bytes per Fetch, round
+   trips). ``--no-kafka``: skip both.
+
+``--profile DIR``: after each timed Kafka read, a second, untimed one with py-spy sampling the
+listener (``py-spy record --format raw``, 100 Hz; ``.venv/bin/pip install py-spy``): raw stacks in
+DIR, and the top functions printed (self, and total among the project's own code). py-spy counts a
+thread-pool worker waiting for work (``_worker``, thread.py:81) and a call blocked in native code
+with the GIL released (``obstore.get_range``) as busy: read those as waits.
 
     .venv/bin/python bench/tier.py                       # 512 MB, 64 MB fragments
     .venv/bin/python bench/tier.py --mb 128 --json out.json
+    .venv/bin/python bench/tier.py --profile /tmp/tier-prof  # + listener profiles
+
+Spark reading the offloaded prefix against the same prefix on bookies: ``bench/tier_spark.py``.
 """
 
 from __future__ import annotations
@@ -216,25 +231,79 @@ async def settled_bookie_bytes(cluster: LocalCluster, timeout_s: float = 40.0) -
     return bookie_bytes(cluster)
 
 
-def kafka_read(cluster: LocalCluster, base: Path, expect: int) -> dict:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_PROJECT = ("compat_kafka/", "streams/", "bookie/", "fragments/", "terms/")
+
+
+def top_frames(raw: Path, n: int = 12) -> dict:
+    """py-spy's raw (collapsed) output, lines folded into functions (``name (file)``): the ``n``
+    functions with the most samples on top of the stack (self), and the ``n`` of the project's own
+    code (compat_kafka, streams, bookie, ...) with the most samples anywhere in it (total; the
+    entry points left out), each as (share of samples, function)."""
+    selfs: dict[str, int] = {}
+    totals: dict[str, int] = {}
+    samples = main = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        k = int(count)
+        samples += k
+        if stack.startswith("_run_module_as_main"):  # the listener's main thread: its event loop
+            main += k
+        frames = [f.rsplit(":", 1)[0] + ")" if f.endswith(")") and ":" in f else f for f in stack.split(";") if f]
+        frames = frames[1:] if frames and frames[0].startswith(("process ", "thread ")) else frames
+        if frames:
+            selfs[frames[-1]] = selfs.get(frames[-1], 0) + k
+        for f in set(frames):
+            if any(f"({d}" in f for d in _PROJECT) and "cli/" not in f and "tools/cli" not in f:
+                totals[f] = totals.get(f, 0) + k
+
+    def top(d):
+        return [(round(v / samples, 3), f) for f, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+
+    return {"samples": samples, "main_thread_samples": main, "self": top(selfs),
+            "total": top(totals)} if samples else {"samples": 0}
+
+
+def kafka_read(cluster: LocalCluster, base: Path, expect: int, profile: Path | None = None) -> dict:
+    """A ``scroll kafka`` listener process and a confluent-kafka consumer reading the partition from
+    the beginning: seconds, records, bytes, the first record's delay and the listener's CPU seconds
+    during the read; with ``profile``, py-spy samples the listener meanwhile (raw collapsed stacks
+    written there; that read is slowed by the sampling and is not the timed one)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+    stats, reading = [None], [True]  # librdkafka's statistics, the last ones while the read was on
     port = free_port()
-    log = open(base / "kafka.log", "wb")
+    log = open(base / "kafka.log", "ab")
     argv = [sys.executable, "-m", "streams.tools.cli", "kafka", "--metadata", cluster.metadata_url, "--host",
             "127.0.0.1", "--port", str(port), "--node-id", "0"]
     shim = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    spy = None
     try:
         for _ in range(300):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.1)
+        if profile is not None:
+            spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--format", "raw",
+                                    "--rate", "100", "-o", str(profile), "--pid", str(shim.pid)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
         c = Consumer({"bootstrap.servers": f"127.0.0.1:{port}", "group.id": "bench-tier", "enable.auto.commit": False,
                       "fetch.max.bytes": 64 << 20, "max.partition.fetch.bytes": 16 << 20,
-                      "queued.max.messages.kbytes": 256 << 10})
+                      "queued.max.messages.kbytes": 256 << 10, "statistics.interval.ms": 1000,
+                      "stats_cb": lambda js: stats.__setitem__(0, js) if reading[0] else None})
         c.assign([TopicPartition(TOPIC, 0, OFFSET_BEGINNING)])
         n = nbytes = 0
+        cpu0, me0 = _cpu_s(shim.pid), _cpu_s(os.getpid())
         t0 = time.perf_counter()
         idle_since = time.monotonic()
         first_at = None
@@ -253,15 +322,58 @@ def kafka_read(cluster: LocalCluster, base: Path, expect: int) -> dict:
                 n += 1
                 nbytes += len(m.value())
         s = time.perf_counter() - t0
+        reading[0] = False
+        cpu, me = _cpu_s(shim.pid) - cpu0, _cpu_s(os.getpid()) - me0
         c.close()
-        return {"seconds": s, "records": n, "bytes": nbytes, "first_record_s": (first_at or t0) - t0}
+        out = {"seconds": s, "records": n, "bytes": nbytes, "first_record_s": (first_at or t0) - t0,
+               "listener_cpu_s": cpu, "client_cpu_s": me}
+        if stats[0]:  # librdkafka's view (its last second of the read): Fetch requests sent, their round trips
+            for b in json.loads(stats[0]).get("brokers", {}).values():
+                fetches = (b.get("req") or {}).get("Fetch", 0)
+                if fetches:
+                    out.update(fetch_requests=fetches, fetch_rtt_avg_ms=b["rtt"]["avg"] / 1000,
+                               fetch_rtt_p99_ms=b["rtt"]["p99"] / 1000, rx_bytes=b.get("rxbytes", 0))
+        if spy is not None:
+            spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            spy.wait(60)
+            out["profile"] = top_frames(profile)
+        return out
     finally:
+        if spy is not None and spy.poll() is None:
+            spy.kill()
         shim.terminate()
         try:
             shim.wait(10)
         except subprocess.TimeoutExpired:
             shim.kill()
         log.close()
+
+
+def kafka_pass(cluster: LocalCluster, base: Path, records: int, where: str, args) -> dict:
+    """The timed Kafka read of the partition (from ``where``: bookies or objects), then, with
+    ``--profile``, a second one under py-spy. Prints and returns the figures."""
+    k = kafka_read(cluster, base, records)
+    rate = k["records"] / k["seconds"]
+    print(f"kafka fetch from {where} (confluent-kafka): {k['records']:,} records in {k['seconds']:.2f} s = "
+          f"{rate:,.0f} records/s (first record after {k['first_record_s']:.2f} s; listener CPU "
+          f"{k['listener_cpu_s']:.1f} s = {k['listener_cpu_s'] / k['seconds']:.2f} of a core; this process (client) "
+          f"{k['client_cpu_s']:.1f} s; {k.get('fetch_requests', 0)} Fetch requests, "
+          f"{k.get('rx_bytes', 0) / max(1, k.get('fetch_requests', 0)) / 1e6:.1f} MB each, round trip avg "
+          f"{k.get('fetch_rtt_avg_ms', 0):.0f} ms, p99 {k.get('fetch_rtt_p99_ms', 0):.0f} ms)", flush=True)
+    if args.profile:
+        prof = Path(args.profile) / f"listener-{where}.txt"
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        p = kafka_read(cluster, base, records, prof)
+        k["profile"] = p.get("profile", {})
+        k["profiled_seconds"] = p["seconds"]
+        top = k["profile"]
+        print(f"  listener profile ({where}, {top.get('samples', 0)} samples, raw stacks in {prof}; that read "
+              f"took {p['seconds']:.2f} s; the event loop thread busy in "
+              f"{top.get('main_thread_samples', 0) / (100 * (p['seconds'] + 1.0)):.0%} of it):", flush=True)
+        for kind in ("self", "total"):
+            for share, frame in top.get(kind, []):
+                print(f"    {kind:5} {100 * share:5.1f}%  {frame}", flush=True)
+    return k
 
 
 async def run(cluster: LocalCluster, seaweed: SeaweedS3, base: Path, args) -> dict:
@@ -317,6 +429,18 @@ async def run(cluster: LocalCluster, seaweed: SeaweedS3, base: Path, args) -> di
               f"{mbs(stream_bytes, s):,.1f} MB/s", flush=True)
         out.update(bookie_read_s=s, bookie_read_records=n, bookie_read_rec_s=n / s,
                    bookie_read_mb_s=mbs(stream_bytes, s))
+        kb = None
+        if not args.no_kafka:
+            try:
+                kb = await asyncio.to_thread(kafka_pass, cluster, base, records, "bookies", args)
+                out.update(kafka_bookies_s=kb["seconds"], kafka_bookies_records=kb["records"],
+                           kafka_bookies_rec_s=kb["records"] / kb["seconds"],
+                           kafka_bookies_mb_s=mbs(stream_bytes * kb["records"] / records, kb["seconds"]),
+                           kafka_bookies_listener_cpu_s=kb["listener_cpu_s"],
+                           kafka_bookies_profile=kb.get("profile"))
+            except Exception as exc:  # noqa: BLE001
+                print(f"kafka fetch from bookies: FAILED: {type(exc).__name__}: {exc}", flush=True)
+                out["kafka_bookies_error"] = f"{type(exc).__name__}: {exc}"
 
         # 3. bytes per bookie with a local policy of 1/10 of the stream
         local_cap = stream_bytes // 10
@@ -370,15 +494,18 @@ async def run(cluster: LocalCluster, seaweed: SeaweedS3, base: Path, args) -> di
         # 5. Kafka fetch of the offloaded partition
         if not args.no_kafka:
             try:
-                k = await asyncio.to_thread(kafka_read, cluster, base, records)
+                k = await asyncio.to_thread(kafka_pass, cluster, base, records, "objects", args)
                 k_mb = mbs(object_bytes * k["records"] / records, k["seconds"])
-                print(f"kafka fetch (confluent-kafka): {k['records']:,} records in {k['seconds']:.2f} s = "
-                      f"{k['records'] / k['seconds']:,.0f} records/s, {k_mb:,.1f} MB/s; / raw GET (best) "
-                      f"{k_mb / best:.2f} (first record after {k['first_record_s']:.2f} s)", flush=True)
-                out.update(kafka_s=k["seconds"], kafka_records=k["records"], kafka_rec_s=k["records"] / k["seconds"],
-                           kafka_mb_s=k_mb, kafka_ratio=k_mb / best)
+                rate = k["records"] / k["seconds"]
+                vs = f"; / from bookies {rate / out['kafka_bookies_rec_s']:.2f}" if kb else ""
+                print(f"kafka fetch from objects: {k_mb:,.1f} MB/s; / raw GET (best) {k_mb / best:.2f}{vs}", flush=True)
+                out.update(kafka_s=k["seconds"], kafka_records=k["records"], kafka_rec_s=rate,
+                           kafka_mb_s=k_mb, kafka_ratio=k_mb / best, kafka_listener_cpu_s=k["listener_cpu_s"],
+                           kafka_profile=k.get("profile"))
+                if kb:
+                    out["kafka_objects_vs_bookies"] = rate / out["kafka_bookies_rec_s"]
             except Exception as exc:  # noqa: BLE001
-                print(f"kafka fetch: FAILED: {type(exc).__name__}: {exc}", flush=True)
+                print(f"kafka fetch from objects: FAILED: {type(exc).__name__}: {exc}", flush=True)
                 out["kafka_error"] = f"{type(exc).__name__}: {exc}"
         return out
     finally:
@@ -392,6 +519,8 @@ def main() -> int:
     ap.add_argument("--fragment-mb", type=int, default=64)
     ap.add_argument("--read-timeout", type=float, default=600.0)
     ap.add_argument("--no-kafka", action="store_true")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after each timed Kafka read, a second one with py-spy sampling the listener (stacks in DIR)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
