@@ -70,6 +70,10 @@ class _Run:
     pieces: list = field(default_factory=list)  # [start, end, future]
     next_eid: int = -1
     next_pos: int = -1
+    # body positions of the entries the last call returned: a reader that goes on from one of them
+    # (a Kafka fetch drops the batch that would overflow its answer and starts the next fetch at it)
+    # keeps its window and read-ahead
+    recent: dict = field(default_factory=dict)
 
     def drop(self) -> None:
         for _s, _e, fut in self.pieces:
@@ -206,6 +210,11 @@ class TierReader:
             if run.key == key and run.next_eid == first:
                 self._runs.move_to_end(rid)
                 return run
+        if self._runs:  # the reader last served goes on from inside its last answer
+            rid, run = next(reversed(self._runs.items()))
+            if run.key == key and first in run.recent:
+                run.next_eid, run.next_pos = first, run.recent[first]
+                return run
         return None
 
     def _new_run(self, key: str) -> _Run:
@@ -252,6 +261,12 @@ class TierReader:
             raise
         out, eid, used = self._walk(idx, f, key, eid, pos, body, first, last, max_bytes)
         run.next_eid, run.next_pos = eid, pos + used
+        recent, at = {}, pos + used
+        for e in reversed(out):  # where each returned entry starts in the body
+            if e.data:
+                at -= len(e.data) - 1
+            recent[e.entry_id] = at
+        run.recent = recent
         if eid > ft.last_entry:  # read to the end: the reader goes on in the next fragment's object
             self._end_run(run)
         if not out:

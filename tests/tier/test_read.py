@@ -530,3 +530,27 @@ def test_check_reports_released_fragments_as_offloaded_not_missing(tenv):
             await client.close()
 
     asyncio.run(main())
+
+
+def test_a_reader_that_goes_on_from_inside_its_last_answer_keeps_its_read_ahead():
+    """A Kafka fetch drops the batch that would overflow its answer and the next fetch starts at it:
+    the reader's window and read-ahead carry on, every byte is fetched once."""
+    async def main():
+        f, obj, want = _object()
+        store = MemStore()
+        store.objects[f.tier["key"]] = obj
+        r = TierReader(store, range_bytes=64 * 1024, in_flight=3)
+        await r.index(f.tier["key"], len(obj))
+        store.gets.clear()
+        out, at = [], 50
+        while at <= 449:
+            got = await r.read_entries(f, at, 449, 16 * 1024)
+            keep = got if got[-1].entry_id == 449 or len(got) == 1 else got[:-1]  # the overflowing batch goes
+            out.extend(keep)
+            at = keep[-1].entry_id + 1
+        assert [e.entry_id for e in out] == list(range(50, 450))
+        assert all(e.data == want[e.entry_id] for e in out)
+        spans = sorted((s, e) for _k, s, e in store.gets)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), "pieces are contiguous, none fetched twice"
+
+    asyncio.run(main())
