@@ -74,6 +74,7 @@ def _bookie_security():
 async def _point_metrics(metrics, server: KafkaServer) -> None:
     """The lag metrics scrape this listener over Kafka: through a PLAINTEXT listener if there is
     one, else as the brokers' own identity over the first listener (interbroker.py)."""
+    metrics.overload.server = server  # connection limits, quota throttling, produce backpressure
     ports = server.ports
     listeners = server.config.listeners
     li = next((li for li in listeners if li.protocol == "PLAINTEXT"), listeners[0])
