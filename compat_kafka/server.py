@@ -25,6 +25,13 @@ SASL_AUTHENTICATION_FAILED, then the connection is closed. Handlers see the prin
 ``connections_max_reauth_ms``, SaslAuthenticate v1+ answers that session lifetime; a SaslHandshake
 on an authenticated connection then starts a re-authentication (same principal, or the connection
 is closed), and any other request after the session ended closes the connection.
+
+Overload (``ServerConfig``). A connection over ``max_connections`` (per listener) or
+``max_connections_per_ip`` (and its per-address overrides) is closed as soon as it is accepted,
+and counted (``stats``). A produce frame's body is read only once its bytes fit in
+``max_inflight_produce_bytes`` (all connections; released when it is answered), so a flood of
+produces waits in the clients' sockets. An answer over a client quota (``quotas.py``) carries its
+throttle time and mutes the connection: nothing more is read from it until that time has passed.
 """
 
 from __future__ import annotations
