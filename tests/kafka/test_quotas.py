@@ -293,3 +293,36 @@ def test_quotas_cli_alters_and_describes(cluster, qshim):
             "--delete-config", "producer_byte_rate,request_percentage")
     assert r.returncode == 0, r.stderr
     assert cli("describe").stdout == ""
+
+
+def test_inflight_produce_bytes_budget_is_first_come_first_served():
+    import asyncio
+
+    from compat_kafka.server import ByteBudget
+
+    async def main():
+        b = ByteBudget(100)
+        assert b.try_acquire(60) and not b.try_acquire(50)
+        order = []
+
+        async def take(name, n):
+            await b.acquire(n)
+            order.append(name)
+
+        big = asyncio.create_task(take("big", b.clamp(500)))  # over the whole budget: waits for all of it
+        await asyncio.sleep(0)
+        small = asyncio.create_task(take("small", 10))  # fits, but queued behind the big one
+        gone = asyncio.create_task(take("cancelled", 10))
+        await asyncio.sleep(0)
+        assert order == [] and b.used == 60
+        gone.cancel()
+        b.release(60)
+        await big
+        assert order == ["big"] and b.used == 100
+        b.release(100)
+        await small
+        assert order == ["big", "small"] and b.used == 10 and b.peak == 100
+        b.release(10)
+        assert b.used == 0
+
+    asyncio.run(main())
