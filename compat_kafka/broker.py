@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import datetime
 import functools
 import itertools
 import logging
@@ -49,6 +51,7 @@ from .cluster.ownership import OWNERS, Ownership, coordinator_key, parse_partiti
 from .groups.coordinator import GroupConfig, GroupCoordinator
 from .partitions.fetch_sessions import FetchSession, FetchSessionCache, SessionError
 from .partitions.partition import PartitionConfig, PartitionLog
+from .quotas import FETCH, PRODUCE, REQUEST, QuotaApis, QuotaConfig, QuotaManager
 from .security import authorizer
 from .transactions.coordinator import TransactionCoordinator, TxnConfig
 from .transactions.coordinator import error_code as txn_error_code
@@ -132,6 +135,7 @@ class BrokerConfig:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     groups: GroupConfig = field(default_factory=GroupConfig)
     transactions: TxnConfig = field(default_factory=TxnConfig)
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)  # client quotas' rate windows (quotas.py)
 
     def __post_init__(self):
         if not 1 <= self.default_partitions <= self.max_partitions:
@@ -155,6 +159,10 @@ class BrokerConfig:
 def _ignore_outcome(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved: the request's handler meets (and answers) the same error
+
+
+# not bound by the request quota (Kafka: ApiVersions, SASL and the brokers' own requests)
+_QUOTA_EXEMPT = frozenset({codec.API_API_VERSIONS, codec.API_WRITE_TXN_MARKERS})
 
 
 class Broker:
@@ -203,6 +211,8 @@ class Broker:
                            else None)  # ACLs (authorizer.py)
         self._handlers.update(authorizer.AclApis(self).handlers())
         self._handlers.update(authorizer.ScramApis(self).handlers())
+        self.quotas = QuotaManager(self.store, self.config.quotas)  # client quotas (quotas.py)
+        self._handlers.update(QuotaApis(self).handlers())
 
     def prepare(self, req: codec.Request) -> None:
         """Called as a request is read, before it is handled (requests of one connection may be
@@ -230,6 +240,26 @@ class Broker:
             return await authorizer.check(self.authorizer, self, req, resp_cls, self._handlers[req.api_key])
         return await self._handlers[req.api_key](req.body, resp_cls)
 
+    def throttle(self, req: codec.Request, body: Any, handled_s: float) -> tuple[Any, float]:
+        """Client quotas (quotas.py): the request's bytes and handling time recorded against the
+        quotas of its user and client id; the answer with ``throttle_time`` set, and the throttle
+        time in seconds (the server mutes the connection that long; 0: within every quota)."""
+        q = self.quotas
+        if not q.quotas or req.api_key in _QUOTA_EXEMPT:
+            return body, 0.0
+        user = authorizer.principal().partition(":")[2]
+        now = asyncio.get_running_loop().time()
+        throttle = q.record(REQUEST, user, req.client_id, handled_s, now)
+        if req.api_key == codec.API_PRODUCE:
+            size = sum(len(p.records or b"") for t in req.body.topic_data for p in t.partition_data)
+            throttle = max(throttle, q.record(PRODUCE, user, req.client_id, size, now))
+        elif req.api_key == codec.API_FETCH and body is not None:
+            size = sum(len(p.records or b"") for t in body.responses for p in t.partitions)
+            throttle = max(throttle, q.record(FETCH, user, req.client_id, size, now))
+        if throttle > 0 and body is not None and hasattr(body, "throttle_time"):
+            body = dataclasses.replace(body, throttle_time=datetime.timedelta(milliseconds=int(throttle * 1000)))
+        return body, throttle
+
     # ---------------------------------------------------------------- ownership (several shims)
     @property
     def node_id(self) -> int:
@@ -245,6 +275,7 @@ class Broker:
             await ensure_identity(self.store)  # other listeners call this one as the broker user
         if self.authorizer is not None:
             await self.authorizer.start()
+        await self.quotas.start()
         await self.ownership.start()
         self.txn.start()
         self._rebalancer = asyncio.get_running_loop().create_task(self._rebalance_loop(), name="kafka-rebalance")
@@ -280,6 +311,7 @@ class Broker:
         await self.groups.close()
         if self.authorizer is not None:
             await self.authorizer.close()
+        await self.quotas.close()
         await self.ownership.close()
 
     # ---------------------------------------------------------------- topics and partitions

@@ -29,11 +29,19 @@ is closed), and any other request after the session ended closes the connection.
 TLS certificates: ``KafkaServer.reload_certificates`` (``scroll kafka`` calls it on SIGHUP) re-reads
 each TLS listener's certificate, key and client CA for new handshakes; connected clients carry on;
 files that cannot be used are logged and the certificate in use stays (``fragments.tlsreload``).
+
+Overload (``ServerConfig``). A connection over ``max_connections`` (per listener) or
+``max_connections_per_ip`` (and its per-address overrides) is closed as soon as it is accepted,
+and counted (``stats``). A produce frame's body is read only once its bytes fit in
+``max_inflight_produce_bytes`` (all connections; released when it is answered), so a flood of
+produces waits in the clients' sockets. An answer over a client quota (``quotas.py``) carries its
+throttle time and mutes the connection: nothing more is read from it until that time has passed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import functools
@@ -143,7 +151,13 @@ class ServerConfig:
     port: int = 9092  # 0: any free port (see KafkaServer.port)
     max_frame_bytes: int = codec.MAX_FRAME_BYTES
     max_inflight_requests: int = 256  # per connection
-    max_connections: int = 1000
+    max_connections: int = 1000  # per listener (Kafka's max.connections, listener.name.X.max.connections)
+    max_connections_per_ip: int = 0  # Kafka's max.connections.per.ip; 0: no limit
+    max_connections_per_ip_overrides: tuple[tuple[str, int], ...] = ()  # (ip, limit): max.connections.per.ip.overrides
+    # produce request bytes read and not yet answered, all connections together (Kafka's
+    # queued.max.request.bytes, for produce): a connection whose next produce would go over waits,
+    # not read further, until earlier ones are answered (TCP backpressure). 0: no limit
+    max_inflight_produce_bytes: int = 256 << 20
     tls: TlsConfig | None = None  # None: PLAINTEXT
     sasl_mechanisms: tuple[str, ...] = ()  # e.g. ("PLAIN", "SCRAM-SHA-256"); empty: no SASL
     # several listeners (PLAINTEXT beside SASL_SSL, say); empty: one, from host/port/tls/sasl_mechanisms
@@ -153,7 +167,9 @@ class ServerConfig:
     connections_max_reauth_ms: int = 0
 
     def __post_init__(self):
-        if self.max_frame_bytes < 1024 or self.max_inflight_requests < 1 or self.max_connections < 1:
+        if (self.max_frame_bytes < 1024 or self.max_inflight_requests < 1 or self.max_connections < 1
+                or self.max_connections_per_ip < 0 or self.max_inflight_produce_bytes < 0
+                or any(n < 0 for _ip, n in self.max_connections_per_ip_overrides)):
             raise ValueError(f"invalid server config {self}")
         if not self.listeners:
             protocol = ("SASL_" if self.sasl_mechanisms else "") + ("SSL" if self.tls else "PLAINTEXT")
@@ -173,6 +189,13 @@ class KafkaServer:
         self._servers: list[tuple[ListenerConfig, asyncio.AbstractServer]] = []
         self._conns: set[asyncio.Task] = set()
         self._tls: dict[str, ReloadableServerContext] = {}  # listener name -> its reloadable context
+        self._per_listener: dict[str, int] = {}
+        self._per_ip: dict[str, int] = {}
+        self._ip_limits = dict(self.config.max_connections_per_ip_overrides)
+        # connections refused, by reason (metrics); throttled: connections muted by a quota
+        self.stats = {"refused_max_connections": 0, "refused_max_connections_per_ip": 0, "throttled_responses": 0,
+                      "produce_bytes_waits": 0}
+        self.produce_budget = ByteBudget(self.config.max_inflight_produce_bytes)
 
     def reload_certificates(self) -> bool:
         """Re-read every TLS listener's files for new handshakes; whether all of them took the new ones."""
@@ -245,11 +268,34 @@ class KafkaServer:
         peer = writer.get_extra_info("peername")
         codec.set_client_host(peer)  # inherited by this connection's request tasks (group members' host)
         codec.set_listener(listener.name)  # Metadata/FindCoordinator answer with this listener's addresses
-        if len(self._conns) >= self.config.max_connections:
-            log.warning("refusing connection from %s: %d connections open", peer, len(self._conns))
+        ip = peer[0] if isinstance(peer, tuple) and peer else str(peer)
+        refused = None
+        if self._per_listener.get(listener.name, 0) >= self.config.max_connections:
+            refused = "max_connections"
+        elif self._per_ip.get(ip, 0) >= self._ip_limits.get(ip, self.config.max_connections_per_ip or 1 << 62):
+            refused = "max_connections_per_ip"
+        if refused is not None:
+            self.stats["refused_" + refused] += 1
+            log.warning("refusing connection from %s on %s: %s reached", peer, listener.name, refused)
             writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
             return
+        self._per_listener[listener.name] = self._per_listener.get(listener.name, 0) + 1
+        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
         self._conns.add(task)
+        try:
+            await self._serve_open_connection(listener, reader, writer, peer)
+        finally:
+            self._conns.discard(task)
+            self._per_listener[listener.name] -= 1
+            self._per_ip[ip] -= 1
+            if not self._per_ip[ip]:
+                del self._per_ip[ip]
+
+    async def _serve_open_connection(self, listener: ListenerConfig, reader: asyncio.StreamReader,
+                                     writer: asyncio.StreamWriter, peer) -> None:
+        conn = _Conn()
         auth = codec.ConnectionAuth()
         ssl_object = writer.get_extra_info("ssl_object")
         if ssl_object is not None:  # a verified client certificate names the principal (without SASL)
@@ -258,10 +304,10 @@ class KafkaServer:
         codec.set_connection_auth(auth)  # before the dispatcher starts: its request tasks inherit it
         requests: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # read, not started
         queue: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # started, answers in order
-        dispatcher = asyncio.create_task(self._dispatch_loop(requests, queue))
+        dispatcher = asyncio.create_task(self._dispatch_loop(requests, queue, conn))
         sender = asyncio.create_task(self._send_loop(queue, writer))
         try:
-            await self._read_loop(listener, reader, requests, peer, auth)
+            await self._read_loop(listener, reader, requests, peer, auth, conn)
         except ProtocolError as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -276,12 +322,16 @@ class KafkaServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
-            self._conns.discard(task)
+            if conn.held:  # read, never answered
+                self.produce_budget.release(conn.held)
+                conn.held = 0
 
     async def _read_loop(self, listener: ListenerConfig, reader: asyncio.StreamReader, requests: asyncio.Queue,
-                         peer, auth: codec.ConnectionAuth) -> None:
+                         peer, auth: codec.ConnectionAuth, conn: _Conn) -> None:
         session: list[sasl.SaslSession] = []  # the mechanism chosen by SaslHandshake
+        loop = asyncio.get_running_loop()
         while True:
+            await conn.unmuted(loop)  # a quota throttled this connection: nothing is read meanwhile
             try:
                 head = await reader.readexactly(4)
             except asyncio.IncompleteReadError as exc:
@@ -293,10 +343,20 @@ class KafkaServer:
             # before authenticating, frames are small (Kafka: sasl max receive size, 512 KiB)
             codec.check_frame_size(size, min(self.config.max_frame_bytes, _PRE_AUTH_MAX_FRAME) if unauthenticated
                                    else self.config.max_frame_bytes)
+            held = 0
             try:
-                data = await reader.readexactly(size)
+                key = await reader.readexactly(2)
+                if key == _PRODUCE_KEY and not unauthenticated and self.produce_budget.limit:
+                    # a produce waits for room among the produce bytes in flight before its body is read
+                    held = self.produce_budget.clamp(size)
+                    if not self.produce_budget.try_acquire(held):
+                        self.stats["produce_bytes_waits"] += 1
+                        await self.produce_budget.acquire(held)
+                    conn.held += held
+                data = key + await reader.readexactly(size - 2)
             except asyncio.IncompleteReadError as exc:
                 raise ProtocolError(f"truncated frame: {len(exc.partial)} of {size} bytes") from exc
+            await conn.unmuted(loop)
             try:
                 req = codec.decode_request(data)
             except UnsupportedRequest as exc:
@@ -317,7 +377,7 @@ class KafkaServer:
             if unauthenticated and req.api_key != codec.API_API_VERSIONS:
                 raise ProtocolError(f"api key {req.api_key} before SASL authentication")
             self.broker.prepare(req)  # e.g. start opening a produce's partitions (no effect a client sees)
-            await requests.put(req)
+            await requests.put((req, held))
 
     async def _sasl(self, listener: ListenerConfig, req: codec.Request, auth: codec.ConnectionAuth, session: list,
                     peer) -> tuple[Any, bool]:
@@ -366,7 +426,7 @@ class KafkaServer:
         return codec.build(resp_cls, error_code=ErrorCode.none, error_message=None, auth_bytes=token,
                            session_lifetime=datetime.timedelta(milliseconds=lifetime_ms)), False
 
-    async def _dispatch_loop(self, requests: asyncio.Queue, queue: asyncio.Queue) -> None:
+    async def _dispatch_loop(self, requests: asyncio.Queue, queue: asyncio.Queue, conn: _Conn) -> None:
         """Start the requests read, in order, each once the previous one has taken effect."""
         loop = asyncio.get_running_loop()
         try:
@@ -378,15 +438,20 @@ class KafkaServer:
                     await queue.put(item)
                     continue
                 applied = loop.create_future()
-                await queue.put(asyncio.create_task(self._respond(item, applied)))
+                await queue.put(asyncio.create_task(self._respond(*item, applied, conn)))
                 await applied
         finally:
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(None)
 
-    async def _respond(self, req: codec.Request, applied: asyncio.Future) -> bytes | None:
+    async def _respond(self, req: codec.Request, held: int, applied: asyncio.Future, conn: _Conn) -> bytes | None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        handled = [0.0]
+
         def done() -> None:
             if not applied.done():
+                handled[0] = loop.time() - started  # handling time for the request quota (waits excluded)
                 applied.set_result(None)
 
         codec.set_effects_applied_callback(done)
@@ -394,6 +459,13 @@ class KafkaServer:
             body = await self.broker.handle(req)
         finally:
             done()
+            if held:
+                conn.held -= held
+                self.produce_budget.release(held)
+        body, throttle_s = self.broker.throttle(req, body, handled[0])
+        if throttle_s > 0:  # as Kafka >= 2.0: the channel is muted until the throttle time has passed
+            self.stats["throttled_responses"] += 1
+            conn.muted_until = max(conn.muted_until, loop.time() + throttle_s)
         return None if body is None else codec.encode_response(req.correlation_id, body)
 
     async def _send_loop(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
@@ -413,6 +485,72 @@ class KafkaServer:
             if data is not None:
                 writer.write(data)
                 await writer.drain()
+
+
+_PRODUCE_KEY = struct.pack(">h", codec.API_PRODUCE)
+
+
+class _Conn:
+    """Per-connection state: quota mute, produce bytes held from the budget."""
+
+    __slots__ = ("muted_until", "held")
+
+    def __init__(self):
+        self.muted_until = 0.0
+        self.held = 0
+
+    async def unmuted(self, loop) -> None:
+        while (wait := self.muted_until - loop.time()) > 0:
+            await asyncio.sleep(wait)
+
+
+class ByteBudget:
+    """Bytes shared by every connection, handed out first come first served (a waiter blocks the
+    ones after it, so a large request is not starved by small ones). 0: unlimited."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._waiters: collections.deque = collections.deque()
+
+    def clamp(self, n: int) -> int:
+        return min(n, self.limit)  # a frame over the whole budget waits for all of it
+
+    def try_acquire(self, n: int) -> bool:
+        if self._waiters or self.used + n > self.limit:
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    async def acquire(self, n: int) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        entry = [n, fut]
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted as we were cancelled
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.used + self._waiters[0][0] <= self.limit:
+            n, fut = self._waiters.popleft()
+            if fut.done():
+                continue
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            fut.set_result(None)
 
 
 def _done(data: bytes) -> asyncio.Future:

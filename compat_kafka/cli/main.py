@@ -25,11 +25,13 @@ from collections.abc import Callable
 import click
 
 from ..broker import Broker, BrokerConfig
+from ..quotas import QuotaConfig
 from ..security import sasl
 from ..security.acls import parse_super_users
 from ..server import KafkaServer, ListenerConfig, ServerConfig, TlsConfig
 from .acl_cli import acl_command
 from .group_cli import groups_command
+from .quota_cli import quotas_command
 
 
 async def serve(metadata_url: str, server_config: ServerConfig, broker_config: BrokerConfig,
@@ -74,6 +76,7 @@ def _bookie_security():
 async def _point_metrics(metrics, server: KafkaServer) -> None:
     """The lag metrics scrape this listener over Kafka: through a PLAINTEXT listener if there is
     one, else as the brokers' own identity over the first listener (interbroker.py)."""
+    metrics.overload.server = server  # connection limits, quota throttling, produce backpressure
     ports = server.ports
     listeners = server.config.listeners
     li = next((li for li in listeners if li.protocol == "PLAINTEXT"), listeners[0])
@@ -137,6 +140,19 @@ async def _point_metrics(metrics, server: KafkaServer) -> None:
 @click.option("--super-users", default="", help="principals that bypass the ACLs, e.g. 'User:admin;User:ops'")
 @click.option("--connections-max-reauth-ms", default=0, show_default=True, type=click.IntRange(0),
               help="KIP-368: SASL sessions last this long; a connection not re-authenticated is closed (0: off)")
+@click.option("--max-connections", default=1000, show_default=True, type=click.IntRange(1),
+              help="connections per listener; more are closed at once (Kafka's max.connections)")
+@click.option("--max-connections-per-ip", default=0, show_default=True, type=click.IntRange(0),
+              help="connections per client address; more are closed at once (0: no limit)")
+@click.option("--max-connections-per-ip-overrides", default="", metavar="IP:N,...",
+              help="per-address limits overriding --max-connections-per-ip, e.g. 10.0.0.5:500,127.0.0.1:0")
+@click.option("--max-inflight-produce-bytes", default=256 << 20, show_default=True, type=click.IntRange(0),
+              help="produce request bytes read and not yet answered, all connections together; further produces "
+                   "wait (backpressure). 0: no limit")
+@click.option("--quota-window-num", default=11, show_default=True, type=click.IntRange(2, 1000),
+              help="client quotas: samples in a rate window (Kafka's quota.window.num)")
+@click.option("--quota-window-size", default=1.0, show_default=True, type=click.FloatRange(0.01, 3600.0),
+              help="client quotas: seconds per sample (Kafka's quota.window.size.seconds)")
 @click.pass_context
 def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port: int, advertised_host: str,
                   node_id: int | None, lease_ttl: float, no_rebalance: bool, rebalance_batch: int,
@@ -144,7 +160,9 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
                   default_partitions: int, no_auto_create: bool, max_frame_bytes: int, metrics_port: int | None,
                   metrics_host: str, no_fetch_sessions: bool, ssl_cert: str | None, ssl_key: str | None,
                   ssl_client_ca: str | None, ssl_client_auth: str, sasl_mechanisms: str | None,
-                  listeners: tuple[str, ...], inter_broker_ca: str | None, **security_options) -> None:
+                  listeners: tuple[str, ...], inter_broker_ca: str | None, max_connections: int,
+                  max_connections_per_ip: int, max_connections_per_ip_overrides: str, max_inflight_produce_bytes: int,
+                  quota_window_num: int, quota_window_size: float, **security_options) -> None:
     """Serve the Kafka wire protocol on HOST:PORT; topic partitions are Scroll streams.
 
     \b
@@ -177,13 +195,17 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
             if mechanisms and not any(li.sasl_on for li in parsed):
                 raise ValueError("--sasl-mechanisms is given but no listener is SASL_PLAINTEXT or SASL_SSL")
         server_config = ServerConfig(host=host, port=port, max_frame_bytes=max_frame_bytes, tls=tls,
-                                     sasl_mechanisms=mechanisms, listeners=parsed)
+                                     sasl_mechanisms=mechanisms, listeners=parsed, max_connections=max_connections,
+                                     max_connections_per_ip=max_connections_per_ip,
+                                     max_connections_per_ip_overrides=_ip_overrides(max_connections_per_ip_overrides),
+                                     max_inflight_produce_bytes=max_inflight_produce_bytes)
         broker_config = BrokerConfig(host=advertised_host, port=port, node_id=node_id, lease_ttl_s=lease_ttl,
                                      default_partitions=default_partitions, auto_create_topics=not no_auto_create,
                                      drop_produce_response_every=test_drop_produce_response_every,
                                      fetch_sessions=not no_fetch_sessions, rebalance=not no_rebalance,
                                      rebalance_batch=rebalance_batch, rebalance_delay_s=rebalance_delay,
-                                     inter_broker_ca=inter_broker_ca or ssl_client_ca)
+                                     inter_broker_ca=inter_broker_ca or ssl_client_ca,
+                                     quotas=QuotaConfig(quota_window_num, quota_window_size))
         server_config, broker_config = _with_security(server_config, broker_config, **security_options)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
@@ -205,6 +227,17 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
 
 
 kafka_command.add_command(groups_command, "groups")
+kafka_command.add_command(quotas_command, "quotas")
+
+
+def _ip_overrides(spec: str) -> tuple[tuple[str, int], ...]:
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        ip, colon, n = item.rpartition(":")
+        if not colon or not n.isdigit():
+            raise ValueError(f"--max-connections-per-ip-overrides takes IP:N,..., not {item!r}")
+        out.append((ip.strip("[]"), int(n)))
+    return tuple(out)
 
 
 def _with_security(server_config: ServerConfig, broker_config: BrokerConfig, acls: bool, super_users: str,

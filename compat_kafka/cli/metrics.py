@@ -83,12 +83,44 @@ class GroupLagCollector:
         return out
 
 
+class OverloadCollector:
+    """Connection limits, quota throttling and produce backpressure of the listener (``KafkaServer.stats``,
+    read at scrape time: plain ints, no lock needed)."""
+
+    def __init__(self):
+        self.server = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        if self.server is None:
+            return []
+        st = self.server.stats
+        refused = CounterMetricFamily("scroll_kafka_connections_refused", "Connections closed at once over a limit",
+                                      labels=["reason"])
+        refused.add_metric(["max_connections"], st["refused_max_connections"])
+        refused.add_metric(["max_connections_per_ip"], st["refused_max_connections_per_ip"])
+        throttled = CounterMetricFamily("scroll_kafka_throttled_responses", "Answers over a client quota (muted)")
+        throttled.add_metric([], st["throttled_responses"])
+        waits = CounterMetricFamily("scroll_kafka_produce_bytes_waits",
+                                    "Produce requests that waited for room in --max-inflight-produce-bytes")
+        waits.add_metric([], st["produce_bytes_waits"])
+        inflight = GaugeMetricFamily("scroll_kafka_inflight_produce_bytes", "Produce request bytes read, not answered")
+        inflight.add_metric([], self.server.produce_budget.used)
+        return [refused, throttled, waits, inflight]
+
+
 class ListenerMetrics:
     def __init__(self, bootstrap: str, max_groups: int = 500):
         r = self.registry = CollectorRegistry()
         self.scrape_errors = Counter("scroll_kafka_group_scrape_errors", "Group lag scrapes that failed", registry=r)
         self.collector = GroupLagCollector(bootstrap, self.scrape_errors, max_groups)
         r.register(self.collector)
+        self.overload = OverloadCollector()
+        r.register(self.overload)
         self._server = None
 
     def use(self, bootstrap: str, security: KafkaClientConfig | None) -> None:

@@ -613,6 +613,8 @@ GUARDS = {
     codec.API_DELETE_ACLS: _own_check,
     codec.API_DESCRIBE_USER_SCRAM_CREDENTIALS: _own_check,
     codec.API_ALTER_USER_SCRAM_CREDENTIALS: _own_check,
+    codec.API_DESCRIBE_CLIENT_QUOTAS: _own_check,  # DESCRIBE_CONFIGS / ALTER_CONFIGS on the cluster (quotas.py)
+    codec.API_ALTER_CLIENT_QUOTAS: _own_check,
 }
 
 

@@ -74,6 +74,8 @@ API_LIST_TRANSACTIONS = 66
 API_DESCRIBE_ACLS = 29
 API_CREATE_ACLS = 30
 API_DELETE_ACLS = 31
+API_DESCRIBE_CLIENT_QUOTAS = 48
+API_ALTER_CLIENT_QUOTAS = 49
 API_DESCRIBE_USER_SCRAM_CREDENTIALS = 50
 API_ALTER_USER_SCRAM_CREDENTIALS = 51
 
@@ -89,6 +91,7 @@ API_ALTER_USER_SCRAM_CREDENTIALS = 51
 #   AddOffsetsToTxn 0-4, EndTxn 0-4, WriteTxnMarkers 0-1, TxnOffsetCommit 0-4, DescribeAcls 0-3,
 #   CreateAcls 0-3, DeleteAcls 0-3, DescribeConfigs 0-4, AlterConfigs 0-2, SaslAuthenticate 0-2,
 #   CreatePartitions 0-3, DeleteGroups 0-2, IncrementalAlterConfigs 0-1, OffsetDelete 0,
+#   DescribeClientQuotas 0-1, AlterClientQuotas 0-1,
 #   DescribeUserScramCredentials 0, AlterUserScramCredentials 0, DescribeCluster 0-1,
 #   DescribeTransactions 0, ListTransactions 0-1, ConsumerGroupHeartbeat 0, ConsumerGroupDescribe 0.
 # Above 3.9 we also serve Produce 12, ListTransactions 2, ConsumerGroupHeartbeat/Describe 1 (4.x).
@@ -145,6 +148,9 @@ SUPPORTED: dict[int, tuple[int, int]] = {
     API_DELETE_ACLS: (0, 3),
     API_DESCRIBE_USER_SCRAM_CREDENTIALS: (0, 0),
     API_ALTER_USER_SCRAM_CREDENTIALS: (0, 0),
+    # client quotas (quotas.py)
+    API_DESCRIBE_CLIENT_QUOTAS: (0, 1),
+    API_ALTER_CLIENT_QUOTAS: (0, 1),
 }
 
 # ---------------------------------------------------------------- versions kio 0.6.5 lacks

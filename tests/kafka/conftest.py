@@ -23,8 +23,10 @@ FAST_GROUPS = GroupConfig(initial_rebalance_delay_ms=100,
 
 
 class ShimThread:
-    def __init__(self, metadata_url: str, port: int, max_frame_bytes: int = 8 << 20, **broker_options):
+    def __init__(self, metadata_url: str, port: int, max_frame_bytes: int = 8 << 20, server_options=None,
+                 **broker_options):
         self.port = port
+        self._server_options = server_options or {}
         self._broker_options = {"default_partitions": 1, "groups": FAST_GROUPS, **broker_options}
         self.bootstrap = f"127.0.0.1:{port}"
         self._url = metadata_url
@@ -45,7 +47,7 @@ class ShimThread:
             self._stop = asyncio.Event()
             started = asyncio.Event()
             task = asyncio.create_task(serve(
-                self._url, ServerConfig(port=self.port, max_frame_bytes=self._max_frame),
+                self._url, ServerConfig(port=self.port, max_frame_bytes=self._max_frame, **self._server_options),
                 BrokerConfig(port=self.port, **self._broker_options), started=started, stop=self._stop,
                 on_start=self._on_start))
             waiter = asyncio.create_task(started.wait())

@@ -1,0 +1,326 @@
+"""Client quotas and connection limits (compat_kafka/quotas.py, server.py): resolution and rates
+without IO; DescribeClientQuotas/AlterClientQuotas over a socket (requests through our codec: no
+installed client has a quota admin call); a producer bound by a client-id quota throttled beside an
+unbound one (confluent-kafka, its throttle callback); the per-address connection limit; the CLI."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from confluent_kafka import Producer
+from kio.schema.errors import ErrorCode
+
+from compat_kafka import quotas
+from compat_kafka.quotas import QuotaConfig, QuotaManager, Rate
+from compat_kafka.wire import codec
+from streams.tools.localcluster import LocalCluster, free_port
+
+from .conftest import ShimThread
+from .test_bad_input import recv_frame
+
+pytestmark = pytest.mark.process
+
+
+# ---------------------------------------------------------------- without IO
+def test_resolution_follows_kafkas_precedence():
+    m = QuotaManager(store=None)
+    d = None
+    m.quotas = {
+        (("client-id", "c"),): {"producer_byte_rate": 8},
+        (("client-id", d),): {"producer_byte_rate": 9, "consumer_byte_rate": 90},
+        (("user", d),): {"producer_byte_rate": 6},
+        (("client-id", "c"), ("user", d)): {"producer_byte_rate": 4},
+        (("user", "u"),): {"producer_byte_rate": 3},
+        (("client-id", d), ("user", "u")): {"producer_byte_rate": 2},
+        (("client-id", "c"), ("user", "u")): {"producer_byte_rate": 1},
+    }
+    p = "producer_byte_rate"
+    assert m.resolve(p, "u", "c") == (1, (p, "u", "c"))
+    assert m.resolve(p, "u", "x") == (2, (p, "u", "x"))
+    assert m.resolve(p, "v", "c") == (4, (p, "v", "c"))
+    assert m.resolve(p, "v", "x") == (6, (p, "v", None))  # the default user's quota: per user
+    assert m.resolve("consumer_byte_rate", "u", "c") == (90, ("consumer_byte_rate", None, "c"))
+    assert m.resolve("request_percentage", "u", "c") is None
+    m.quotas = {(("client-id", "c"),): {p: 8}}
+    m._resolved = {}
+    assert m.resolve(p, "v", "c") == (8, (p, None, "c"))
+    assert m.resolve(p, "v", "other") is None
+
+
+def test_rate_and_throttle_time_as_kafka():
+    r = Rate(11, 1.0)
+    r.record(1000, 0.0)
+    assert r.window(0.0) == 10.0 and r.rate(0.0) == 100.0  # at least num - 1 whole samples
+    for t in range(1, 30):
+        r.record(1000, float(t))
+    assert r.rate(29.0) == pytest.approx(11000 / 10.0)
+    m = QuotaManager(store=None, config=QuotaConfig(11, 1.0))
+    m.quotas = {(("client-id", "c"),): {"producer_byte_rate": 100}}
+    assert m.record("producer_byte_rate", "u", "c", 500, 0.0) == 0.0  # 500 / 10 s = 50 B/s
+    # 2000 B over the 10 s window: 200 B/s, twice the quota: throttled for (200 - 100) / 100 * 10 s
+    assert m.record("producer_byte_rate", "u", "c", 1500, 0.0) == pytest.approx(10.0)
+    assert m.record("producer_byte_rate", "u", "c", 10**9, 0.0) > 1e6  # not capped (Kafka's is not)
+    assert m.record("producer_byte_rate", "u", "other", 10**9, 0.0) == 0.0  # unbound
+
+
+def test_describe_filters():
+    d = None
+    q = {(("user", "u"),): {"producer_byte_rate": 1.0}, (("user", d),): {"producer_byte_rate": 2.0},
+         (("client-id", "c"), ("user", "u")): {"consumer_byte_rate": 3.0}, (("client-id", d),): {"request_percentage": 50.0}}
+    names = lambda comps, strict=False: [quotas.show_entity(e) for e, _v in quotas.describe(q, comps, strict)]  # noqa: E731
+    assert names([("user", 0, "u")]) == ["client-id=c,user=u", "user=u"]
+    assert names([("user", 0, "u")], True) == ["user=u"]
+    assert names([("user", 1, None)]) == ["user=<default>"]
+    assert names([("user", 2, None)], True) == ["user=<default>", "user=u"]
+    assert names([]) == sorted(names([]))
+    assert len(names([])) == 4
+    for bad in ([("group", 0, "x")], [("user", 0, None)], [("user", 2, None), ("user", 1, None)]):
+        with pytest.raises(quotas.QuotaError) as info:
+            quotas.describe(q, bad, False)
+        assert info.value.code == ErrorCode.invalid_request
+
+
+# ---------------------------------------------------------------- a listener of their own
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A cluster of its own: every partition is this module's listener's (with its short windows)."""
+    c = LocalCluster(tmp_path_factory.mktemp("quotas"), bookies=3)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def qshim(cluster):
+    # 11 samples of 0.2 s: a rate settles within ~2 s (Kafka's 11 x 1 s would need ~10 s)
+    s = ShimThread(cluster.metadata_url, free_port(), quotas=QuotaConfig(11, 0.2))
+    s.start()
+    yield s
+    s.stop()
+
+
+def connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.settimeout(10)
+    return s
+
+
+def call(s, body, corr=1):
+    s.sendall(codec.encode_request(body, corr))
+    got, resp = codec.decode_response(recv_frame(s), body.__api_key__, body.__version__)
+    assert got == corr
+    return resp
+
+
+def alter_req(version: int, entries, validate_only=False):
+    cls = codec.request_schema(codec.API_ALTER_CLIENT_QUOTAS, version)
+    ec, oc, rc = (codec.nested(cls, n) for n in ("EntityData", "OpData", "EntryData"))
+    return cls(validate_only=validate_only, entries=tuple(
+        rc(entity=tuple(ec(entity_type=t, entity_name=n) for t, n in entity),
+           ops=tuple(oc(key=k, value=float(v or 0), remove=v is None) for k, v in ops)) for entity, ops in entries))
+
+
+def describe_req(version: int, components, strict=False):
+    cls = codec.request_schema(codec.API_DESCRIBE_CLIENT_QUOTAS, version)
+    cc = codec.nested(cls, "ComponentData")
+    return cls(strict=strict, components=tuple(cc(entity_type=t, match_type=m, match=x) for t, m, x in components))
+
+
+def described(resp) -> dict:
+    assert resp.error_code == ErrorCode.none, resp.error_message
+    return {tuple((e.entity_type, e.entity_name) for e in entry.entity): {v.key: v.value for v in entry.values}
+            for entry in resp.entries}
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_alter_describe_round_trip_defaults_and_deletion(qshim, version):
+    cid = f"rt-{version}"
+    with connect(qshim.port) as s:
+        resp = call(s, alter_req(version, [
+            ([("client-id", cid)], [("producer_byte_rate", 1024), ("consumer_byte_rate", 2048)]),
+            ([("user", f"alice{version}"), ("client-id", None)], [("request_percentage", 25.5)]),
+            ([("client-id", None)], [("producer_byte_rate", 10**9)]),
+            ([("group", "x")], [("producer_byte_rate", 1)]),  # not a quota entity
+            ([("client-id", "bad")], [("producer_bytes", 1)]),  # not a quota key
+            ([("client-id", "neg")], [("producer_byte_rate", -1)]),
+        ]))
+        codes = [e.error_code for e in resp.entries]
+        assert codes == [ErrorCode.none] * 3 + [ErrorCode.invalid_request] * 3
+        assert [(x.entity_type, x.entity_name) for x in resp.entries[1].entity] == [("user", f"alice{version}"),
+                                                                                      ("client-id", None)]
+        got = described(call(s, describe_req(version, [("client-id", 0, cid)]), 2))
+        assert got == {(("client-id", cid),): {"producer_byte_rate": 1024.0, "consumer_byte_rate": 2048.0}}
+        got = described(call(s, describe_req(version, [("user", 0, f"alice{version}")], strict=False), 3))
+        assert got == {(("client-id", None), ("user", f"alice{version}")): {"request_percentage": 25.5}}
+        assert described(call(s, describe_req(version, [("user", 0, f"alice{version}")], strict=True), 4)) == {}
+        got = described(call(s, describe_req(version, [("client-id", 1, None)], strict=True), 5))
+        assert got == {(("client-id", None),): {"producer_byte_rate": 1e9}}
+        # validate_only changes nothing; a removal of the last key removes the entity
+        call(s, alter_req(version, [([("client-id", cid)], [("producer_byte_rate", 5)])], validate_only=True), 6)
+        assert described(call(s, describe_req(version, [("client-id", 0, cid)]), 7))[(("client-id", cid),)][
+            "producer_byte_rate"] == 1024.0
+        resp = call(s, alter_req(version, [([("client-id", cid)], [("producer_byte_rate", None)]),
+                                           ([("client-id", None)], [("producer_byte_rate", None)]),
+                                           ([("user", f"alice{version}"), ("client-id", None)],
+                                            [("request_percentage", None)])]), 8)
+        assert [e.error_code for e in resp.entries] == [ErrorCode.none] * 3
+        assert described(call(s, describe_req(version, [("client-id", 0, cid)]), 9)) == {
+            (("client-id", cid),): {"consumer_byte_rate": 2048.0}}
+        call(s, alter_req(version, [([("client-id", cid)], [("consumer_byte_rate", None)])]), 10)
+        assert described(call(s, describe_req(version, [("client-id", 2, None)]), 11)) == {}
+        bad = call(s, describe_req(version, [("client-id", 0, None)]), 12)
+        assert bad.error_code == ErrorCode.invalid_request and bad.entries is None
+
+
+def test_quota_bound_producer_is_throttled_beside_an_unbound_one(qshim):
+    quota = 100_000  # bytes/s
+    slow_id, fast_id, topic = "slow-producer", "fast-producer", "quota-topic"
+    with connect(qshim.port) as s:
+        resp = call(s, alter_req(1, [([("client-id", slow_id)], [("producer_byte_rate", quota)])]))
+        assert resp.entries[0].error_code == ErrorCode.none
+    value = b"x" * 10_000
+    results: dict[str, dict] = {}
+
+    def run(client_id: str, seconds: float) -> None:
+        delivered: list[tuple[float, int]] = []
+        throttles: list[int] = []
+        p = Producer({"bootstrap.servers": qshim.bootstrap, "client.id": client_id, "acks": "all", "linger.ms": 5,
+                      "batch.size": 50_000,  # requests of ~50 KB: the slow one's rate is measured finely
+                      "throttle_cb": lambda ev: throttles.append(int(ev.throttle_time * 1000))})
+
+        def report(err, msg):
+            if err is None:
+                delivered.append((time.monotonic(), len(msg.value())))
+
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            if len(p) < 20:  # at most ~200 KB queued in the client
+                p.produce(topic, value, on_delivery=report)
+            p.poll(0.001 if len(p) < 20 else 0.05)
+        end = time.monotonic()
+        p.flush(30)
+        results[client_id] = {"delivered": delivered, "throttles": throttles, "start": start, "end": end}
+
+    threads = [threading.Thread(target=run, args=(cid, 10.0)) for cid in (slow_id, fast_id)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+    def rate(cid: str, after: float) -> float:
+        r = results[cid]
+        t0 = r["start"] + after
+        return sum(n for t, n in r["delivered"] if t0 <= t <= r["end"]) / (r["end"] - t0)  # acknowledged bytes/s
+
+    slow, fast = rate(slow_id, 3.0), rate(fast_id, 3.0)  # after the first windows filled
+    print(f"slow {slow / 1e3:.0f} KB/s (quota {quota / 1e3:.0f}), fast {fast / 1e3:.0f} KB/s, "
+          f"slow throttles {len(results[slow_id]['throttles'])} max {max(results[slow_id]['throttles'], default=0)} ms")
+    assert results[slow_id]["throttles"] and max(results[slow_id]["throttles"]) > 0
+    assert 0 < slow <= 2 * quota
+    assert fast > 3 * quota and fast > 2 * slow
+    assert qshim.server.stats["throttled_responses"] > 0
+    with connect(qshim.port) as s:
+        call(s, alter_req(1, [([("client-id", slow_id)], [("producer_byte_rate", None)])]))
+
+
+def api_versions_ok(s: socket.socket) -> bool:
+    try:
+        resp = call(s, codec.build(codec.request_schema(18, 3), client_software_name="t", client_software_version="1"))
+        return resp.error_code == ErrorCode.none
+    except (OSError, AssertionError, TypeError, struct_error):
+        return False
+
+
+struct_error = __import__("struct").error
+
+
+def test_connection_limit_per_address_refuses_the_next_one(cluster):
+    shim = ShimThread(cluster.metadata_url, free_port(), node_id=None,
+                      server_options={"max_connections_per_ip": 3})
+    shim.start()
+    try:
+        held = [connect(shim.port) for _ in range(3)]
+        assert all(api_versions_ok(s) for s in held)
+        extra = connect(shim.port)  # accepted by TCP, closed by the listener
+        extra.settimeout(10)
+        assert extra.recv(1) == b""
+        extra.close()
+        assert shim.server.stats["refused_max_connections_per_ip"] == 1
+        assert all(api_versions_ok(s) for s in held)  # the others unaffected
+        held.pop().close()
+        deadline = time.monotonic() + 30
+        while True:  # the closed one's slot is freed once the listener has seen it close
+            s = connect(shim.port)
+            if api_versions_ok(s):
+                held.append(s)
+                break
+            s.close()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for s in held:
+            s.close()
+    finally:
+        shim.stop()
+
+
+def test_quotas_cli_alters_and_describes(cluster, qshim):
+    url = cluster.metadata_url
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "quotas", *args, "--metadata", url],
+                              capture_output=True, text=True, timeout=60)
+
+    r = cli("alter", "--entity-type", "users", "--entity-name", "bob", "--entity-type", "clients", "--entity-default",
+            "--add-config", "producer_byte_rate=1024,request_percentage=50")
+    assert r.returncode == 0, r.stderr
+    r = cli("describe", "--entity-type", "users", "--entity-name", "bob")
+    assert r.stdout.splitlines() == ["client-id=<default>,user=bob\tproducer_byte_rate=1024,request_percentage=50.0"]
+    with connect(qshim.port) as s:  # the API sees what the CLI stored
+        got = described(call(s, describe_req(1, [("user", 0, "bob")])))
+        assert got == {(("client-id", None), ("user", "bob")): {"producer_byte_rate": 1024.0,
+                                                                 "request_percentage": 50.0}}
+    r = cli("alter", "--entity-type", "users", "--entity-name", "bob", "--entity-type", "clients", "--entity-default",
+            "--add-config", "producer_byte_rate=0")
+    assert r.returncode != 0 and "INVALID_REQUEST" in r.stderr
+    r = cli("alter", "--entity-type", "users", "--entity-name", "bob", "--entity-type", "clients", "--entity-default",
+            "--delete-config", "producer_byte_rate,request_percentage")
+    assert r.returncode == 0, r.stderr
+    assert cli("describe").stdout == ""
+
+
+def test_inflight_produce_bytes_budget_is_first_come_first_served():
+    import asyncio
+
+    from compat_kafka.server import ByteBudget
+
+    async def main():
+        b = ByteBudget(100)
+        assert b.try_acquire(60) and not b.try_acquire(50)
+        order = []
+
+        async def take(name, n):
+            await b.acquire(n)
+            order.append(name)
+
+        big = asyncio.create_task(take("big", b.clamp(500)))  # over the whole budget: waits for all of it
+        await asyncio.sleep(0)
+        small = asyncio.create_task(take("small", 10))  # fits, but queued behind the big one
+        gone = asyncio.create_task(take("cancelled", 10))
+        await asyncio.sleep(0)
+        assert order == [] and b.used == 60
+        gone.cancel()
+        b.release(60)
+        await big
+        assert order == ["big"] and b.used == 100
+        b.release(100)
+        await small
+        assert order == ["big", "small"] and b.used == 10 and b.peak == 100
+        b.release(10)
+        assert b.used == 0
+
+    asyncio.run(main())
