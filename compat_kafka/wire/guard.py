@@ -80,6 +80,8 @@ def _plan(cls: type) -> tuple:
         tag = f.metadata.get("tag")
         if tag is not None:
             tagged[tag] = step
+        elif step[0] == "fixed" and fields and fields[-1][0] == "fixed":  # runs of fixed-size fields: one step
+            fields[-1] = ("fixed", fields[-1][1] + step[1], False)
         else:
             fields.append(step)
     return flexible, tuple(fields), tagged
@@ -117,15 +119,12 @@ def _walk(cls: type, data, off: int, end: int) -> int:
         for _ in range(n):
             tag, off = _uvarint(data, off)
             size, off = _uvarint(data, off)
-            stop = off + size
-            if stop > end:
-                raise _Stop
-            if tag in tagged:
-                try:
-                    _step(tagged[tag], flexible, data, off, stop)
-                except _Stop:
-                    pass
-            off = stop
+            if tag in tagged:  # kio reads a known tagged field's value as it comes, ignoring its size
+                off = _step(tagged[tag], flexible, data, off, end)
+            else:
+                off += size
+                if off > end:
+                    raise _Stop
     return off
 
 
