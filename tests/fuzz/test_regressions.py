@@ -95,3 +95,25 @@ def test_negative_ledger_id_is_bad_request_and_changes_nothing(tmp_path) -> None
         assert engine.read_entry(5, 0).data == b"hello"
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------- Kafka dispatcher
+def test_metadata_v10_by_topic_id_is_answered_invalid_request() -> None:
+    # Metadata v10-11 may carry a topic id with a null name; the answer put the null name in the
+    # response, where it is not nullable before v12: encoding the answer failed (TypeError, the
+    # connection closed with a traceback). Kafka refuses topic ids before v12 (INVALID_REQUEST).
+    import uuid
+
+    if "kafka_dispatch" not in _set_up:
+        targets.kafka_dispatch_setup()
+        _set_up.add("kafka_dispatch")
+    schema = codec.request_schema(codec.API_METADATA, 10)
+    body = codec.build(schema, allow_auto_topic_creation=False, include_cluster_authorized_operations=False,
+                       include_topic_authorized_operations=False,
+                       topics=(codec.build(codec.nested(schema, "MetadataRequestTopic"), topic_id=uuid.uuid4(), name=None),))
+    req = codec.decode_request(codec.encode_request(body, 3)[4:])
+    broker, loop = targets._dispatch["broker"], targets._dispatch["loop"]
+    answer = loop.run_until_complete(broker.handle(req))
+    assert answer.topics[0].error_code == 42  # INVALID_REQUEST
+    _corr, decoded = codec.decode_response(codec.encode_response(3, answer)[4:], codec.API_METADATA, 10)
+    assert decoded.topics[0].name == ""
