@@ -411,8 +411,8 @@ def _reopen() -> None:
 
 
 TARGETS = {
-    "kafka_decode": (kafka_setup, kafka_decode, ("compat_kafka.wire", "kio")),
-    "kafka_dispatch": (kafka_dispatch_setup, kafka_dispatch, ("compat_kafka", "kio", "streams.topics")),
+    "kafka_decode": (kafka_setup, kafka_decode, ("compat_kafka.wire",)),
+    "kafka_dispatch": (kafka_dispatch_setup, kafka_dispatch, ("compat_kafka", "streams.topics")),
     "bookie_frames": (bookie_frames_setup, bookie_frames, ("bookie.wire",)),
     "bookie_storage": (bookie_storage_setup, bookie_storage, ("bookie", "terms")),
 }
