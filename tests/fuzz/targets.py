@@ -382,13 +382,13 @@ def bookie_storage(data: bytes) -> None:
 def _check_adds(engine, cols, out) -> None:
     """Each add answered OK reads back as written, unless a later add of the batch rewrote it."""
     lids, eids, datas = cols[0], cols[1], cols[9]
+    ok = [out.statuses is None or s == 0 for s in (out.statuses or lids)]
     last = {}
     for i, (lid, eid) in enumerate(zip(lids, eids)):
-        if out.statuses is None or out.statuses[i] == 0:
+        if ok[i]:
             last[(lid, eid)] = i
     for (lid, eid), i in last.items():
-        if any(lids[j] == lid and out.statuses is not None and out.statuses[j] == 0 and cols[5][j]
-               for j in range(i + 1, len(lids))):
+        if any(lids[j] == lid and ok[j] and cols[5][j] for j in range(i + 1, len(lids))):
             continue  # truncated by a later add of the batch
         got = engine.read_entry(lid, eid)
         if got is None or bytes(got.data) != bytes(datas[i]):
