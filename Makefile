@@ -17,6 +17,8 @@ sim: setup
 
 soak: setup
 	SCROLL_SOAK=1 .venv/bin/python -m pytest -m slow -q
+	# every fuzz target for SCROLL_FUZZ_SECONDS (default 600) each: tests/fuzz/test_fuzz_ci.py
+	SCROLL_FUZZ_SECONDS=$${SCROLL_FUZZ_SECONDS:-600} .venv/bin/python -m pytest -q tests/fuzz/test_fuzz_ci.py
 
 lint: setup
 	.venv/bin/ruff check .

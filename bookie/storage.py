@@ -329,7 +329,7 @@ class Engine:
         rows = zip(ledger_ids, entry_ids, terms, lacs, lafrs, truncates, recoveries, dtypes, digest_col, datas)
         for i, (lid, eid, term, lac, lafr, trunc, rec, dtype, dig, data) in enumerate(rows):
             # --- validation: a bad add gets its own status, the rest of the batch proceeds
-            if eid < 0 or term < 0 or lac < -1 or lafr < -1 or lid > MAX_ID:
+            if lid < 0 or eid < 0 or term < 0 or lac < -1 or lafr < -1 or lid > MAX_ID:
                 code = Status.BAD_REQUEST
             elif len(data) > max_entry:
                 code = Status.TOO_LARGE

@@ -716,7 +716,10 @@ class Broker:
             by_id = None
             for t in req.topics:
                 name = t.name
-                if name is None:  # by topic id (v10+; KIP-848 consumers resolve their assignments so)
+                if name is None and version < 12:  # v10-11 carry topic ids, but their answers need names
+                    metas.append(("", InvalidRequest(f"a null topic name in Metadata v{version} (topic ids: v12+)")))
+                    continue
+                if name is None:  # by topic id (v12+; KIP-848 consumers resolve their assignments so)
                     if by_id is None:
                         by_id = {m.topic_id: m for m in await self.topics()}
                     m = by_id.get(getattr(t, "topic_id", None))

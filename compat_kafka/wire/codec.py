@@ -33,6 +33,7 @@ from kio.schema.api_versions.v0.response import ApiVersionsResponse as ApiVersio
 from kio.schema.errors import ErrorCode
 from kio.serial import entity_reader, entity_writer
 
+from . import guard
 from .errors import CorruptRequest, FrameTooLarge, UnsupportedRequest
 
 API_PRODUCE = 0
@@ -459,6 +460,7 @@ def decode_request(data: bytes) -> Request:
         raise UnsupportedRequest(f"api key {api_key} version {version} is not supported", api_key, version,
                                  correlation_id)
     schema = request_schema(api_key, version)
+    guard.check(schema, data)  # before kio: it allocates an array's claimed length up front
     try:
         header, hsize = entity_reader(schema.__header_schema__)(data, 0)
         body, bsize = entity_reader(schema)(data, hsize)
