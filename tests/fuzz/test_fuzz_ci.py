@@ -1,7 +1,7 @@
 """Bounded fuzzing runs of every target (CI), and the long ones of ``make soak``.
 
 Each target runs in a process of its own (``python -m tests.fuzz.run``: libFuzzer exits the
-process when it is done), for ``SECONDS[target]`` seconds (about 2.5 minutes for all four on a
+process when it is done), for ``SECONDS[target]`` seconds (about 1.5 minutes for all four on a
 loaded 2-core machine), or ``SCROLL_FUZZ_SECONDS`` each when that is set (``make soak``: 600).
 A crash, a hang (an input over the target's time limit) or an RSS over the limit fails the test and
 leaves the input in the run's directory: add it to ``tests/fuzz/regressions/TARGET/`` with the fix.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECONDS = {"kafka_decode": 40, "kafka_dispatch": 40, "bookie_frames": 20, "bookie_storage": 30}
+SECONDS = {"kafka_decode": 20, "kafka_dispatch": 20, "bookie_frames": 10, "bookie_storage": 15}
 SOAK_SECONDS = float(os.environ.get("SCROLL_FUZZ_SECONDS", "0"))
 
 
