@@ -50,6 +50,7 @@ from .localcluster import ClusterError, LocalCluster, Proc, _tail, _wait_port
 log = logging.getLogger("scroll.standalone")
 
 READY_LINE = "scroll standalone ready"
+SWEEP_EVERY_S = 600.0  # how often the offload job also sweeps unreferenced objects (a LIST of the bucket)
 
 
 @dataclass
@@ -204,6 +205,7 @@ class Standalone:
                                     bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password, **extra)
         self.kafka: Proc | None = None
         self.seaweed = self._seaweed() if config.object_store else None
+        self._tier_runs = 0
         self.restarts: dict[str, int] = {}
         self._metrics = None
         self._listed: tuple[float, list | None] = (0.0, None)  # (when, every ledger record) of the last listing
@@ -622,8 +624,12 @@ class Standalone:
         listed_at, metas = self._listed
         if time.monotonic() - listed_at > 30.0:
             metas = None
+        self._tier_runs += 1
+        # the sweep lists every object: once per SWEEP_EVERY_S (its grace is longer anyway)
+        sweep = self._tier_runs == 1 or self._tier_runs * self.config.tier_interval_s % SWEEP_EVERY_S < \
+            self.config.tier_interval_s
         try:
-            report = await run_tier(client, metas=metas)
+            report = await run_tier(client, metas=metas, sweep_objects=sweep)
         except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
             log.warning("offload run failed (bookie copies kept): %s", exc)
             if self._metrics:

@@ -131,10 +131,11 @@ async def object_store_of(client) -> ObjectStore | None:
 # ------------------------------------------------------------------------------------ the job
 async def run_tier(client, stream: str | None = None, dry_run: bool = False, *, objects: ObjectStore | None = None,
                    now_ms: int | None = None, grace_s: float = GRACE_S, intent_ttl_s: float = INTENT_TTL_S,
-                   metas: list[LedgerMeta] | None = None, _fault=None) -> TierReport:
+                   metas: list[LedgerMeta] | None = None, sweep_objects: bool = True, _fault=None) -> TierReport:
     """Offload and release what the streams' tier policies ask for (or only ``stream``'s), then
     sweep unreferenced objects. ``objects``: the object store (default: the cluster's, from its
-    metadata). ``_fault(step, fragment)`` is a test hook called at each step ("intent", "putting" (just
+    metadata). ``sweep_objects``: also list the store and delete unreferenced objects (a whole-cluster
+    run only; a LIST of every object, so schedulers do it less often). ``_fault(step, fragment)`` is a test hook called at each step ("intent", "putting" (just
     before the PUT), "put", "offloaded", "released", "trimmed"); it may raise, or block, to simulate a
     crash there."""
     ledgers: LedgerStore = client.cluster.ledgers
@@ -175,7 +176,7 @@ async def run_tier(client, stream: str | None = None, dry_run: bool = False, *, 
             rep = StreamTier(m.name, m.ledger_id, dry_run, skipped=str(exc))
         reports.append(rep)
     swept: list[str] = []
-    if stream is None and not dry_run:
+    if stream is None and not dry_run and sweep_objects:
         try:
             swept = await sweep(client, objects, metas, grace_s=grace_s, now_ms=now_ms)
         except (ObjectStoreError, MetadataError) as exc:
