@@ -37,6 +37,9 @@ need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v kcat >/dev/null 2>&1 || need+=(kcat)
 command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)
+# the console's browser tests (tests/console/) drive Debian's chromium headless through its chromedriver
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -q >/dev/null

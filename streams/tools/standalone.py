@@ -74,6 +74,8 @@ class StandaloneConfig:
     secure: bool = False  # TLS and authentication everywhere (implies etcd_auth)
     autorecovery: bool = True  # re-replicate a lost bookie's fragments (streams/tools/autorecovery.py)
     lost_bookie_delay_s: float = 30.0
+    console: bool = True  # the web console (compat_kafka/console/) as a child process
+    console_port: int = 9400
 
     @property
     def bookie_ports(self) -> list[int]:
@@ -98,6 +100,8 @@ class StandaloneConfig:
         out += [(p, "--bookie-port") for p in self.bookie_ports]
         out += [(p, "--metrics-port (bookie metrics use the next ports)") for p in self.bookie_metrics_ports]
         out.append((self.kafka_metrics_port, "--metrics-port (the Kafka listener's metrics follow the bookies')"))
+        if self.console:
+            out.append((self.console_port, "--console-port (or --no-console)"))
         if self.object_store:
             out += [(self.object_store_port + i, "--object-store-port (SeaweedFS takes it and the next 7)")
                     for i in range(8)]
@@ -204,6 +208,7 @@ class Standalone:
                                     etcd_peer_port=config.etcd_peer_port, bookie_ports=config.bookie_ports,
                                     bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password, **extra)
         self.kafka: Proc | None = None
+        self.console: Proc | None = None
         self.seaweed = self._seaweed() if config.object_store else None
         self._tier_runs = 0
         self.restarts: dict[str, int] = {}
@@ -267,6 +272,10 @@ class Standalone:
                 self._secure_setup()
             self.kafka = self._kafka_proc()
             self._start_kafka(timeout_s)
+            if self.config.console:
+                self.console = self._console_proc()
+                self.console.start(self._kafka_env())
+                _wait_port(self.config.console_port, self.console.popen, "the console", timeout_s, self.console.log)
         except BaseException:
             self.stop()
             raise
@@ -310,7 +319,35 @@ class Standalone:
         self.kafka.start(self._kafka_env())
         _wait_port(self.config.kafka_port, self.kafka.popen, "the Kafka listener", timeout_s, self.kafka.log)
 
+    def _console_proc(self) -> Proc:
+        """The web console (``python -m compat_kafka.console``): the metadata URL and bookie
+        credentials in its environment, like the listener; the graphs sample every /metrics here."""
+        c = self.config
+        sources = [f"standalone=http://127.0.0.1:{c.metrics_port}/metrics",
+                   f"kafka=http://127.0.0.1:{c.kafka_metrics_port}/metrics"]
+        sources += [f"bookie-{i}=http://127.0.0.1:{p}/metrics" for i, p in enumerate(c.bookie_metrics_ports)]
+        args = [sys.executable, "-m", "compat_kafka.console", "--port", str(c.console_port),
+                "--bootstrap", f"127.0.0.1:{c.kafka_port}", *(a for src in sources for a in ("--metrics", src))]
+        if self.secure is not None:
+            pki = self.secure.pki
+            args += ["--secure", "--ssl-cert", str(pki.server_cert), "--ssl-key", str(pki.server_key),
+                     "--command-config", str(self.secure.kafka_properties), "--super-users", f"User:{ADMIN_USER}"]
+        return Proc("console", args, c.console_port, self.dir / "console" / "console.log")
+
+    @property
+    def console_url(self) -> str:
+        return f"{'https' if self.secure is not None else 'http'}://127.0.0.1:{self.config.console_port}/"
+
+    def _console_line(self) -> str:
+        if self.console is None:
+            return "  console          off (--no-console)"
+        how = f"log in as {ADMIN_USER} (its password is in client.properties)" if self.secure is not None else \
+            "no login: loopback only"
+        return f"  console          {self.console_url}  ({how})"
+
     def stop(self) -> None:
+        if self.console is not None:
+            self.console.stop()
         if self.kafka is not None:
             self.kafka.stop()
         if self.seaweed is not None:
@@ -332,7 +369,7 @@ class Standalone:
             except Exception as exc:  # noqa: BLE001 - the children keep the certificates they have
                 log.error("cannot renew the certificates under %s: %s", self.secure.pki.directory, exc)
         sent = []
-        for p in [*self.cluster.bookies, self.kafka]:
+        for p in [*self.cluster.bookies, self.kafka, self.console]:
             if p is not None and p.alive:
                 p.signal(signal.SIGHUP)
                 sent.append(p.name)
@@ -340,7 +377,7 @@ class Standalone:
         return sent
 
     def processes(self) -> list[Proc]:
-        out = [p for p in [self.cluster.etcd, *self.cluster.bookies, self.kafka,
+        out = [p for p in [self.cluster.etcd, *self.cluster.bookies, self.kafka, self.console,
                            self.seaweed.proc if self.seaweed is not None else None] if p is not None]
         return out
 
@@ -366,6 +403,11 @@ class Standalone:
                         self.kafka.log, _tail(self.kafka.log, 5))
             self.kafka.start(self._kafka_env())
             restarted.append("kafka")
+        if self.console is not None and not self.console.alive:
+            log.warning("the console exited (%s); restarting it. Log: %s\n%s", self.console.popen.returncode,
+                        self.console.log, _tail(self.console.log, 5))
+            self.console.start(self._kafka_env())
+            restarted.append("console")
         if self.seaweed is not None and self.seaweed.proc is not None and not self.seaweed.alive:
             log.warning("the object store (SeaweedFS) exited (%s); restarting it. Log: %s\n%s",
                         self.seaweed.proc.popen.returncode, self.seaweed.log, _tail(self.seaweed.log, 5))
@@ -466,6 +508,7 @@ class Standalone:
             f"  metadata (etcd)  {metadata}",
             f"  bookies          {bookies}",
             f"  kafka            127.0.0.1:{c.kafka_port}",
+            self._console_line(),
             f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics}; Kafka "
             f"consumer group lag: http://127.0.0.1:{c.kafka_metrics_port}/metrics)",
             f"  retention        every {c.retention_interval_s:g} s  (scroll retention run --dry-run to preview)",
@@ -503,6 +546,7 @@ class Standalone:
             f"  metadata (etcd)  {redact_url(self.cluster.metadata_url)}  (TLS, auth on; the full URL is in {sp})",
             f"  bookies          {bookies}  (TLS, token required)",
             f"  kafka            SASL_SSL 127.0.0.1:{c.kafka_port}  (user {ADMIN_USER}, a super user; ACLs on)",
+            self._console_line(),
             f"  client settings  {kp} (Kafka), {sp} (streams API, Spark)  - both mode 0600",
             f"  CA certificate   {s.pki.ca}",
             f"  metrics          http://127.0.0.1:{c.metrics_port}/metrics  (bookies: {bmetrics}; Kafka "
@@ -704,7 +748,7 @@ def run(config: StandaloneConfig) -> None:
     try:
         asyncio.run(main())
     finally:
-        click.echo("stopping the Kafka listener, the bookies and etcd ...")
+        click.echo("stopping the console, the Kafka listener, the bookies and etcd ...")
         sys.stdout.flush()
         sa.stop()
         click.echo("stopped; data kept in " + str(sa.dir))
@@ -743,11 +787,14 @@ def run(config: StandaloneConfig) -> None:
               help="Re-replicate the fragments of a bookie that stays gone (scroll autorecovery status).")
 @click.option("--lost-bookie-delay", "lost_bookie_delay_s", default=30.0, show_default=True,
               type=click.FloatRange(0), help="Seconds a bookie must be gone before autorecovery re-replicates.")
+@click.option("--console-port", default=9400, show_default=True, type=click.IntRange(1, 65535),
+              help="The web console's port (its URL is printed at start).")
+@click.option("--no-console", is_flag=True, help="Do not run the web console.")
 def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_peer_port: int, bookie_base_port: int,
                        metrics_port: int, bookies: int, retention_interval_s: float, compaction_interval_s: float,
                        tier_interval_s: float, object_store: bool, object_store_port: int,
                        default_partitions: int, secure: bool, etcd_auth: bool, autorecovery: bool = True,
-                       lost_bookie_delay_s: float = 30.0) -> None:
+                       lost_bookie_delay_s: float = 30.0, console_port: int = 9400, no_console: bool = False) -> None:
     """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
     127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
 
@@ -770,4 +817,4 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
                          tier_interval_s=tier_interval_s, object_store=object_store,
                          object_store_port=object_store_port, default_partitions=default_partitions,
                          etcd_auth=etcd_auth, secure=secure, autorecovery=autorecovery,
-                         lost_bookie_delay_s=lost_bookie_delay_s))
+                         lost_bookie_delay_s=lost_bookie_delay_s, console=not no_console, console_port=console_port))

@@ -1,0 +1,162 @@
+"""The console's own time series: a bounded ring of samples scraped from the processes' /metrics.
+
+How this works. ``Sampler.run`` scrapes every source (``name=URL``: ``standalone``, ``kafka`` or a
+bookie id) every ``interval_s`` (10 s) and appends one sample to ``Ring``: a timestamp and, per
+series, one float. A series is a counter summed over the sources (bookie bytes written, entries
+read, errors) or a gauge (a group's lag, a stream's bytes). The ring keeps ``size`` samples (360: one
+hour) and at most ``max_series`` series (the rest are not recorded, and ``dropped_series`` says how
+many), so its memory is bounded whatever the cluster holds. Rates are computed when a graph is
+drawn (``rate``); a counter that went down (a process restarted) counts from zero again.
+The sampler also notes when the jobs' run counters of standalone last moved (``jobs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import time
+import urllib.request
+
+log = logging.getLogger(__name__)
+
+# series name -> (metric sample name, how it is combined)
+COUNTERS = {
+    "bookie_add_bytes": ("scroll_bookie_add_bytes_total",),
+    "bookie_adds": ("scroll_bookie_adds_total",),
+    "bookie_reads": ("scroll_bookie_read_entries_total",),
+    "errors": ("scroll_bookie_add_rejects_total", "scroll_kafka_connections_refused_total",
+               "scroll_kafka_group_scrape_errors_total"),
+}
+JOBS = {"retention": "scroll_retention_runs_total", "compaction": "scroll_compaction_runs_total",
+        "offload": "scroll_tier_runs_total"}
+
+
+class Ring:
+    def __init__(self, size: int = 360, max_series: int = 1000):
+        self.size = size
+        self.max_series = max_series
+        self.times: collections.deque[float] = collections.deque(maxlen=size)
+        self.series: dict[str, collections.deque[float]] = {}
+        self.dropped_series = 0
+
+    def add(self, t: float, values: dict[str, float]) -> None:
+        self.times.append(t)
+        n = len(self.times)
+        dropped = 0
+        for name, v in values.items():
+            d = self.series.get(name)
+            if d is None:
+                if len(self.series) >= self.max_series:
+                    dropped += 1
+                    continue
+                d = self.series[name] = collections.deque([math.nan] * (n - 1), maxlen=self.size)
+            d.append(v)
+        for d in self.series.values():
+            if len(d) < n:  # no value this time
+                d.append(math.nan)
+        self.dropped_series = dropped
+
+    def get(self, name: str) -> tuple[list[float], list[float | None]]:
+        d = self.series.get(name)
+        if d is None:
+            return list(self.times), [None] * len(self.times)
+        return list(self.times), [None if math.isnan(v) else v for v in d]
+
+    def rate(self, name: str) -> tuple[list[float], list[float | None]]:
+        """Per-second increase of a counter (None where unknown)."""
+        times, values = self.get(name)
+        out: list[float | None] = [None]
+        for i in range(1, len(values)):
+            a, b, dt = values[i - 1], values[i], times[i] - times[i - 1]
+            if a is None or b is None or dt <= 0:
+                out.append(None)
+            else:
+                out.append((b - a if b >= a else b) / dt)
+        return times, out[:len(values)]
+
+    def names(self, prefix: str) -> list[str]:
+        return sorted(n for n in self.series if n.startswith(prefix))
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict, float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.append((s.name, s.labels, s.value))
+    return out
+
+
+def _fetch(url: str, timeout_s: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - operator-given http URLs
+        return r.read(8 << 20).decode("utf-8", "replace")
+
+
+class Sampler:
+    def __init__(self, sources: dict[str, str], ring: Ring | None = None, interval_s: float = 10.0):
+        self.sources = dict(sources)
+        self.ring = ring or Ring()
+        self.interval_s = interval_s
+        self.up: dict[str, bool] = {}  # source -> answered the last scrape
+        self.last: dict[str, list] = {}  # source -> its last samples (the bookies page reads them)
+        self.jobs: dict[str, dict] = {}  # job -> {"ok": n, "failed": n, "last_run": t, "last_outcome": ...}
+        self.samples_taken = 0
+
+    async def sample_once(self) -> None:
+        now = time.time()
+        results = await asyncio.gather(*(asyncio.to_thread(_fetch, url, 2.0) for url in self.sources.values()),
+                                       return_exceptions=True)
+        values: dict[str, float] = {k: 0.0 for k in COUNTERS}
+        for (name, _url), res in zip(self.sources.items(), results):
+            if isinstance(res, BaseException):
+                self.up[name] = False
+                self.last.pop(name, None)
+                continue
+            self.up[name] = True
+            try:
+                samples = parse_metrics(res)
+            except Exception as exc:  # noqa: BLE001 - one bad endpoint does not stop the others
+                log.warning("console: cannot parse the metrics of %s: %s", name, exc)
+                continue
+            self.last[name] = samples
+            self._collect(name, samples, values, now)
+        self.ring.add(now, values)
+        self.samples_taken += 1
+
+    def _collect(self, source: str, samples: list, values: dict[str, float], now: float) -> None:
+        for metric, labels, v in samples:
+            for series, names in COUNTERS.items():
+                if metric in names:
+                    values[series] += v
+            if metric == "scroll_kafka_group_lag_sum" and "group" in labels:
+                values[f"lag:{labels['group']}"] = v
+            elif metric == "scroll_stream_bytes" and "stream" in labels:
+                values[f"stream_bytes:{labels['stream']}"] = v
+            elif metric == "scroll_bookie_write_cache_bytes":
+                values[f"bookie_cache:{source}"] = v
+        for job, metric in JOBS.items():
+            runs = {labels.get("outcome"): v for m, labels, v in samples if m == metric}
+            if not runs:
+                continue
+            j = self.jobs.setdefault(job, {"ok": 0.0, "failed": 0.0, "last_run": None, "last_outcome": None})
+            for outcome in ("ok", "failed"):
+                n = runs.get(outcome, 0.0)
+                if n > j[outcome] and self.samples_taken:
+                    j["last_run"], j["last_outcome"] = now, outcome
+                j[outcome] = n
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        while stop is None or not stop.is_set():
+            try:
+                await self.sample_once()
+            except Exception as exc:  # noqa: BLE001 - the console keeps serving without graphs
+                log.warning("console: sampling failed: %s", exc)
+            if stop is None:
+                await asyncio.sleep(self.interval_s)
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
