@@ -72,7 +72,7 @@ class Console:
     def render(self, request: Request, name: str, session: Session | None, status: int = 200, **ctx) -> HTMLResponse:
         html = self.env.get_template(name).render(
             request=request, session=session, secure=self.auth.secure,
-            csrf=self.auth.csrf(session) if session is not None else "", path=request.url.path, **ctx)
+            csrf=self.auth.csrf(session) if session is not None else "", path=request.url.path, code=status, **ctx)
         return HTMLResponse(html, status_code=status, headers={
             "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
             "X-Frame-Options": "DENY", "Cache-Control": "no-store"})
@@ -98,6 +98,9 @@ class Console:
                                        message=f"{s.principal} is not authorized: {exc}")
                 except ConsoleError as exc:
                     return self.render(request, "error.html", s, 400, message=str(exc))
+                except Exception as exc:  # noqa: BLE001 - logged; the user gets a message, not a traceback
+                    log.exception("console: %s %s failed", request.method, request.url.path)
+                    return self.render(request, "error.html", s, 500, message=f"{type(exc).__name__}: {exc}")
             return handler
         return wrap
 
