@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def ports() -> dict[str, int]:
     """A block of consecutive free ports: etcd, etcd peer, kafka, 3 bookies, metrics + 4, the object
-    store + 7."""
-    base = port_block(19)
+    store + 7, the console."""
+    base = port_block(20)
     return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 6,
-            "objectstore": base + 11}
+            "objectstore": base + 11, "console": base + 19}
 
 
 class Run:
@@ -30,7 +30,7 @@ class Run:
         self.data, self.ports = data, ports
         args = (f"--data-dir {data} --etcd-port {ports['etcd']} --etcd-peer-port {ports['peer']} "
                 f"--kafka-port {ports['kafka']} --bookie-port {ports['bookie']} --metrics-port {ports['metrics']} "
-                f"--object-store-port {ports['objectstore']} "
+                f"--object-store-port {ports['objectstore']} --console-port {ports['console']} "
                 f"--retention-interval 1 --compaction-interval 1 --tier-interval 1 {extra}").strip()
         self.log = data.parent / f"run-{time.monotonic_ns()}.log"
         self.out = open(self.log, "wb")

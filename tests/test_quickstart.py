@@ -67,6 +67,11 @@ def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
         banner = run.wait_ready()
         assert f"kafka            127.0.0.1:{ports['kafka']}" in banner
         assert re.search(r"kcat -b 127\.0\.0\.1:\d+ -t greetings -P", banner)
+        # the web console, its URL in the banner, shows the cluster (tests/console/ drives it in a browser)
+        console = f"http://127.0.0.1:{ports['console']}/"
+        assert f"console          {console}  (no login: loopback only)" in banner
+        page = urllib.request.urlopen(console, timeout=30).read().decode()
+        assert "bookie-0" in page and f"127.0.0.1:{ports['kafka']}" in page
         # the "try it" lines, then more of the same
         kcat(ports["kafka"], "-t", "greetings", "-P", input="hello\n")
         assert kcat(ports["kafka"], "-t", "greetings", "-C", "-e").splitlines() == ["hello"]
@@ -132,7 +137,7 @@ def test_quick_start_run_produce_consume_stop_restart_keeps_data(tmp_path):
         assert kcat(ports["kafka"], "-t", "archive", "-C", "-e").splitlines() == archive
         assert "stopped; data kept in" in run.ctrl_c()
         for p in (ports["etcd"], ports["kafka"], ports["bookie"], ports["bookie"] + 2, ports["metrics"],
-                  ports["objectstore"]):
+                  ports["objectstore"], ports["console"]):
             assert not _listening(p), f"something still listens on port {p} after Ctrl-C"
     finally:
         run.kill()
