@@ -28,6 +28,8 @@ from ..cluster.ownership import BROKERS, OWNERS, BrokerInfo
 from ..groups.coordinator import OffsetStore
 
 LISTING_TTL_S = 2.0  # how long the ledger listing of the stream list is reused
+ROW_TTL_S = 5.0  # how long a row's offsets and bytes are reused
+MAX_CACHED_ROWS = 10_000
 MAX_PAGE_ROWS = 200
 MAX_PAGE_RECORDS = 500
 VALUE_PREVIEW_BYTES = 16 << 10  # a value is shown up to this many bytes ("... N more bytes")
@@ -100,6 +102,7 @@ class ConsoleData:
         self._listing: tuple[float, list] = (0.0, [])
         self._topics: tuple[float, dict] = (0.0, {})
         self._lock = asyncio.Lock()
+        self._rows: dict[str, tuple] = {}  # stream -> (identity, when, (earliest, latest, bytes))
         self.seen_bookies: dict[str, BookieRegistration] = {}  # every bookie seen live (down ones stay listed)
 
     # ------------------------------------------------------------------ listings (cached briefly)
@@ -199,19 +202,33 @@ class ConsoleData:
         return rows, total
 
     async def _fill_offsets(self, row: StreamRow, meta) -> None:
+        """Earliest and latest offsets and bytes of one row: its fragment records (one range read),
+        and the LAC of its last fragment from a bookie (none for a sealed one). Kept ``ROW_TTL_S``
+        so paging back and forth or a refresh reads nothing again."""
         from streams.consumer import Consumer
 
+        cached = self._rows.get(meta.name)
+        if cached is not None and cached[0] == (meta.ledger_id, meta.term, meta.last_fragment_index) \
+                and time.monotonic() - cached[1] < ROW_TTL_S:
+            row.earliest, row.latest, row.bytes = cached[2]
+            return
         c = Consumer(self.client.cluster, meta)
         try:
-            await c._refresh()
-            row.bytes = sum(f.size_bytes or 0 for f in c.fragments)
+            frags = await self.client.cluster.ledgers.fragments(meta.ledger_id, meta.first_fragment_index,
+                                                                meta.last_fragment_index)
+            c.seed_fragments(frags)
+            row.bytes = sum(f.size_bytes or 0 for f in frags)
             row.earliest = await c.earliest_offset()
             row.latest = await c.end_position()
         except Exception:  # noqa: BLE001 - a stream being taken over or deleted: shown as unknown
-            pass
+            return
         finally:
             with contextlib.suppress(Exception):
                 await c.close()
+        if len(self._rows) >= MAX_CACHED_ROWS:
+            self._rows.clear()
+        self._rows[meta.name] = ((meta.ledger_id, meta.term, meta.last_fragment_index), time.monotonic(),
+                                 (row.earliest, row.latest, row.bytes))
 
     async def stream(self, name: str) -> dict:
         """The stream's record, its fragment chain (with racks) and the history the chain tells."""
