@@ -166,18 +166,22 @@ class ConsoleData:
                  "partitions": owned.get(b.node_id, 0)} for b in sorted(brokers)]
 
     async def etcd_members(self) -> list[dict]:
-        """The metadata store's members (etcd's member list), or the one store the URL names."""
-        etcd = getattr(self.store, "client", None) or getattr(self.store, "_client", None)
+        """The metadata store's members (etcd's member list) and how long a read took."""
         started = time.monotonic()
         await self.store.get(BOOKIES)  # a round trip: the store answers
         rtt_ms = (time.monotonic() - started) * 1000
+        etcd = getattr(self.store, "_client", None)
         members = []
-        if etcd is not None and hasattr(etcd, "member_list"):
+        if etcd is not None and hasattr(etcd, "members"):
+            async def listing():
+                async for m in etcd.members():
+                    members.append({"name": m.name or f"{m.id:x}", "client_urls": list(m.client_urls),
+                                    "rtt_ms": rtt_ms})
+
             with contextlib.suppress(Exception):
-                for m in await asyncio.wait_for(etcd.member_list(), 5.0):
-                    members.append({"name": getattr(m, "name", "?"),
-                                    "client_urls": list(getattr(m, "client_urls", ()) or getattr(m, "clientURLs", ()))})
-        return members or [{"name": type(self.store).__name__, "client_urls": [], "rtt_ms": rtt_ms}]
+                await asyncio.wait_for(listing(), 5.0)
+        return members or [{"name": getattr(self.store, "url", type(self.store).__name__), "client_urls": [],
+                            "rtt_ms": rtt_ms}]
 
     # ------------------------------------------------------------------ streams
     async def stream_rows(self, query: str = "", page: int = 1, size: int = 50, visible=None
@@ -250,11 +254,11 @@ class ConsoleData:
                     history.append({"fragment": f["index"], "what": "take-over",
                                     "detail": f"term {prev['created_term']} -> {f['created_term']}",
                                     "entry": f["first_entry_id"]})
-                if f["ensemble"] != prev["ensemble"]:
-                    changed = sorted(set(prev["ensemble"]) ^ set(f["ensemble"]))
+                if set(f["ensemble"]) != set(prev["ensemble"]):  # (placement rotates the order: not a change)
+                    gone = sorted(set(prev["ensemble"]) - set(f["ensemble"]))
+                    came = sorted(set(f["ensemble"]) - set(prev["ensemble"]))
                     history.append({"fragment": f["index"], "what": "ensemble change",
-                                    "detail": f"{', '.join(prev['ensemble'])} -> {', '.join(f['ensemble'])}"
-                                              f" (changed: {', '.join(changed) or 'order'})",
+                                    "detail": f"{', '.join(gone) or 'none'} replaced by {', '.join(came) or 'none'}",
                                     "entry": f["first_entry_id"]})
             prev = f
         if d["fragments"] and d["fragments"][-1]["created_term"] != d["term"]:
