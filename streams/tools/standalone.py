@@ -2,7 +2,9 @@
 
 How this works. ``Standalone`` starts, in order, an etcd server (``--data-dir``/etcd), three
 bookies (``--data-dir``/bookie-N, each with its own Prometheus endpoint) through
-``streams.tools.localcluster.LocalCluster``, and the Kafka listener as a ``scroll kafka`` child process.
+``streams.tools.localcluster.LocalCluster``, the Kafka listener as a ``scroll kafka`` child process
+and the web console as a ``python -m compat_kafka.console`` one (``--console-port``, ``--no-console``;
+docs/console.md).
 Everything listens on 127.0.0.1 on fixed ports (so a restart finds the same endpoints and the
 fragments that name the bookies still resolve) and each port can be changed. In its own process
 it then serves a metrics endpoint (processes up, restarts, streams and their bytes, retention
@@ -10,7 +12,7 @@ runs) and runs the retention job on a schedule. A child that dies is restarted (
 and the restart is counted and logged; Ctrl-C (SIGINT) or SIGTERM stops the Kafka listener, the
 bookies and etcd, in that order, and waits for each. Starting again on the same directory keeps
 the data. Ports already in use fail fast with a message naming the option that moves them.
-SIGHUP (once running) is forwarded to the bookies and the Kafka listener, which reload their TLS
+SIGHUP (once running) is forwarded to the bookies, the Kafka listener and the console, which reload their TLS
 certificates (``reload_certificates``; under ``--secure`` expiring certificates are issued first).
 
 ``--secure`` turns on TLS and authentication everywhere (``Secure`` below): a local CA and
