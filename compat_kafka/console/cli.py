@@ -150,9 +150,10 @@ def console_command(metadata_url: str, host: str, port: int, bootstrap: str | No
         raise click.BadParameter(str(exc), param_hint="--super-users") from None
     from ..cli.main import _bookie_security
 
+    sources = parse_sources(metrics)
     scheme = "https" if secure else "http"
     click.echo(f"{READY} on {scheme}://{host}:{port}/" + ("" if secure else "  (no login: loopback only)"))
     sys.stdout.flush()
     asyncio.run(serve(metadata_url, host, port, bootstrap=bootstrap, kafka_security=kafka_security,
-                      sources=parse_sources(metrics), secure=secure, ssl_cert=ssl_cert, ssl_key=ssl_key, token=token,
+                      sources=sources, secure=secure, ssl_cert=ssl_cert, ssl_key=ssl_key, token=token,
                       super_users=users, bookie_security=_bookie_security(), sample_interval_s=sample_interval))

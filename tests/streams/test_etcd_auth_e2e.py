@@ -41,7 +41,7 @@ def test_standalone_with_etcd_auth(tmp_path):
     base = port_block(10)
     config = StandaloneConfig(data_dir=tmp_path, etcd_port=base, etcd_peer_port=base + 1, kafka_port=base + 2,
                               bookie_base_port=base + 3, metrics_port=base + 5, bookies=2, etcd_auth=True,
-                              object_store=False)
+                              object_store=False, console_port=base + 9)
     sa = Standalone(config)
     try:
         sa.start(60)
