@@ -25,7 +25,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..security.acls import Operation, ResourceType
 from .auth import SESSION_COOKIE, Auth, Session
-from .data import MAX_PAGE_RECORDS, MAX_PAGE_ROWS, ConsoleData, ConsoleError, fmt_bytes
+from .data import DEFAULT_PAGE_ROWS, MAX_PAGE_RECORDS, MAX_PAGE_ROWS, ConsoleData, ConsoleError, fmt_bytes
 from .timeseries import Sampler
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Console:
     async def streams(self, request: Request, s: Session) -> Response:
         q = request.query_params.get("q", "")
         page = _int(request.query_params.get("page"), 1, "page", 1)
-        size = _int(request.query_params.get("size"), 50, "size", 1, MAX_PAGE_ROWS)
+        size = _int(request.query_params.get("size"), DEFAULT_PAGE_ROWS, "size", 1, MAX_PAGE_ROWS)
         rows, total = await self.data.stream_rows(q, page, size,
                                                   visible=lambda topic: self.may(request, s, TOPIC, topic,
                                                                                  Operation.DESCRIBE))

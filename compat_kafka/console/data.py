@@ -30,6 +30,7 @@ from ..groups.coordinator import OffsetStore
 LISTING_TTL_S = 2.0  # how long the ledger listing of the stream list is reused
 ROW_TTL_S = 5.0  # how long a row's offsets and bytes are reused
 MAX_CACHED_ROWS = 10_000
+DEFAULT_PAGE_ROWS = 25  # each row costs a fragment-record read and a LAC read when shown
 MAX_PAGE_ROWS = 200
 MAX_PAGE_RECORDS = 500
 VALUE_PREVIEW_BYTES = 16 << 10  # a value is shown up to this many bytes ("... N more bytes")
