@@ -109,16 +109,23 @@ class OpenPage(threading.Thread):
 
     def run(self) -> None:
         n = 0
+        nxt = None
         while not self.stop.is_set():
-            paths = [f"/api/records?stream={self.stream}&mode=tail&limit=50"]
+            # as console.js: the page opens at the tail, then asks for what came after it
+            tail = f"/api/records?stream={self.stream}&limit=50" + ("&mode=tail" if nxt is None else f"&live=1&offset={nxt}")
+            paths = [tail]
             if n % 10 == 0:
                 paths += ["/api/series?s=rate:bookie_add_bytes", "/api/series?s=rate:bookie_reads",
                           "/api/series?s=rate:errors"]
             for p in paths:
                 try:
-                    get(self.url + p)
+                    with urllib.request.urlopen(self.url + p, timeout=30) as r:
+                        body = r.read()
                     self.requests += 1
-                except OSError:
+                    if p is tail:
+                        d = json.loads(body)
+                        nxt = d["next"]
+                except (OSError, ValueError, KeyError):
                     pass
             n += 1
             self.stop.wait(1.0)
@@ -134,6 +141,7 @@ def main() -> int:
     ap.add_argument("--value-bytes", type=int, default=512)
     ap.add_argument("--page-size", type=int, default=25, help="rows of the stream-list page (the console's default)")
     ap.add_argument("--render-only", action="store_true", help="only the render case")
+    ap.add_argument("--no-render", action="store_true", help="skip the render case (no wide topic)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -173,25 +181,27 @@ def main() -> int:
                 finally:
                     await c.close()
 
-            took = asyncio.run(create())
-            print(f"created topic 'wide' of {a.partitions} partitions in {took:.1f} s")
-            get(url + "/streams?q=warm")  # the first listing of the ledger records (kept 2 s)
-            n = a.page_size
-            npages = a.partitions // n
-            pages = {"first view": [f"/streams?size={n}&page={1 + i % npages}" for i in range(a.renders)],
-                     "repeat view": [f"/streams?size={n}&page=1"] * a.renders,
-                     "search": [f"/streams?q=wide:{10 + i}&size={n}" for i in range(a.renders)]}
-            render = {}
-            floor = [get(url + "/healthz")[0] for _ in range(a.renders)]
-            for name, paths in pages.items():
-                times = [get(url + path)[0] for path in paths]
-                render[name] = {"median_ms": statistics.median(times) * 1000,
-                                "p90_ms": sorted(times)[int(len(times) * 0.9) - 1] * 1000}
-            floor_ms = statistics.median(floor) * 1000
-            print(f"load: {os.getloadavg()}")
-            for name, r in render.items():
-                print(f"render ({n} rows) {name:12s} median {r['median_ms']:7.1f} ms  p90 {r['p90_ms']:7.1f} ms  "
-                      f"(healthz floor {floor_ms:.1f} ms; ratio {r['median_ms'] / floor_ms:.1f}x; goal <= 200 ms)")
+            render, floor_ms = {}, 0.0
+            if not a.no_render:
+                took = asyncio.run(create())
+                print(f"created topic 'wide' of {a.partitions} partitions in {took:.1f} s")
+                get(url + "/streams?q=warm")  # the first listing of the ledger records (kept 2 s)
+                n = a.page_size
+                npages = a.partitions // n
+                pages = {"first view": [f"/streams?size={n}&page={1 + i % npages}" for i in range(a.renders)],
+                         "repeat view": [f"/streams?size={n}&page=1"] * a.renders,
+                         "search": [f"/streams?q=wide:{10 + i}&size={n}" for i in range(a.renders)]}
+                render = {}
+                floor = [get(url + "/healthz")[0] for _ in range(a.renders)]
+                for name, paths in pages.items():
+                    times = [get(url + path)[0] for path in paths]
+                    render[name] = {"median_ms": statistics.median(times) * 1000,
+                                    "p90_ms": sorted(times)[int(len(times) * 0.9) - 1] * 1000}
+                floor_ms = statistics.median(floor) * 1000
+                print(f"load: {os.getloadavg()}")
+                for name, r in render.items():
+                    print(f"render ({n} rows) {name:12s} median {r['median_ms']:7.1f} ms  p90 {r['p90_ms']:7.1f} ms  "
+                          f"(healthz floor {floor_ms:.1f} ms; ratio {r['median_ms'] / floor_ms:.1f}x; goal <= 200 ms)")
 
             if a.render_only:
                 return 0
@@ -210,14 +220,25 @@ def main() -> int:
             bootstrap = f"127.0.0.1:{kport}"
             produce_for(bootstrap, "bench-produce", 1.0, a.value_bytes)  # warm-up, creates the topic
             without, with_open = [], []
+            cpu = {"without": [0.0, 0.0], "with": [0.0, 0.0]}  # console, bookies: CPU seconds
             for _ in range(a.rounds):
-                without.append(produce_for(bootstrap, "bench-produce", a.produce_seconds, a.value_bytes))
-                page = OpenPage(url, "bench-produce")
-                page.start()
-                with_open.append(produce_for(bootstrap, "bench-produce", a.produce_seconds, a.value_bytes))
-                page.stop.set()
-                page.join(10)
+                for phase in ("without", "with"):
+                    page = OpenPage(url, "bench-produce") if phase == "with" else None
+                    if page is not None:
+                        page.start()
+                    c0, b0 = cpu_s(console.pid), sum(cpu_s(p) for p in bookie_pids)
+                    rate = produce_for(bootstrap, "bench-produce", a.produce_seconds, a.value_bytes)
+                    cpu[phase][0] += cpu_s(console.pid) - c0
+                    cpu[phase][1] += sum(cpu_s(p) for p in bookie_pids) - b0
+                    (with_open if page is not None else without).append(rate)
+                    if page is not None:
+                        page.stop.set()
+                        page.join(10)
             w, o = statistics.mean(without), statistics.mean(with_open)
+            for phase, (cc, bc) in cpu.items():
+                secs = a.rounds * a.produce_seconds
+                print(f"  {phase:7s} the console open: console CPU {cc / secs * 100:.1f}% of a core, bookies "
+                      f"{bc / secs * 100:.0f}%")
             print(f"producer: {w:,.0f} records/s without the console open, {o:,.0f} with it open "
                   f"(ratio {o / w:.3f}; rounds {[round(x) for x in without]} / {[round(x) for x in with_open]})  "
                   f"load {os.getloadavg()}")

@@ -179,7 +179,7 @@ class Console:
                 ts = _parse_time(p["timestamp"])
             offset = _int(p.get("offset"), 0, "offset", 0) if p.get("offset") else None
             out = await self.data.records(stream, offset=offset, timestamp_ms=ts, tail=p.get("mode") == "tail",
-                                          limit=limit)
+                                          live=p.get("live") == "1", limit=limit)
         except ConsoleError as exc:
             return None, str(exc)
         return out, None

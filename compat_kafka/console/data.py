@@ -289,43 +289,65 @@ class ConsoleData:
 
     # ------------------------------------------------------------------ records
     async def records(self, stream: str, *, offset: int | None = None, timestamp_ms: int | None = None,
-                      tail: bool = False, limit: int = 50) -> dict:
-        """At most ``limit`` records from an offset, a time, or the last ``limit`` (tail)."""
+                      tail: bool = False, live: bool = False, limit: int = 50) -> dict:
+        """At most ``limit`` records from an offset, a time, or the last ``limit`` (tail). ``live``
+        (the tail page polling from ``offset``): what came after ``offset``, read back from the LAC
+        like the tail; more than ``limit`` behind, it jumps to the tail (a live view shows the newest)."""
         if not 1 <= limit <= MAX_PAGE_RECORDS:
             raise ConsoleError(f"page size must be 1-{MAX_PAGE_RECORDS}, not {limit}")
         if offset is not None and offset < 0:
             raise ConsoleError("offset must be >= 0")
         try:
-            c = await self.client.consumer(stream, start="earliest")
+            c = await self.client.consumer(stream, start="latest")
         except NoSuchStream as exc:
             raise ConsoleError(str(exc)) from None
         try:
             earliest = await c.earliest_offset()
-            end = await c.end_position()
-            if tail:
-                start = max(earliest, end - limit)
-                await c.seek(start)
-            elif timestamp_ms is not None:
-                start = await c.seek_timestamp(timestamp_ms)
+            end = c.position
+            if tail or (live and offset is not None):
+                want = limit if tail or offset < end - limit else end - offset
+                got = await self._last_records(c, want) if want > 0 else []
+                start = got[0].offset if got else end
             else:
-                start = max(offset or 0, earliest)
-                if start < end:
-                    await c.seek(start)
+                if timestamp_ms is not None:
+                    start = await c.seek_timestamp(timestamp_ms)
+                else:
+                    start = max(offset or 0, earliest)
+                    if start < end:
+                        await c.seek(start)
+                got = await c.read(min(limit, end - start), timeout_s=0.0) if start < end else []
             out = []
-            if start < end:
-                for r in await c.read(min(limit, end - start), timeout_s=0.0):
-                    value, kind = render_bytes(r.value)
-                    key, _ = render_bytes(r.key, 1024)
-                    headers = [(h, render_bytes(v, 1024)[0]) for h, v in r.headers]
-                    out.append(ShownRecord(r.offset, r.timestamp_ms, key, headers, value, kind))
-                    if len(out) >= limit:
-                        break
-            nxt = out[-1].offset + 1 if out else start
+            for r in got[:limit]:
+                value, kind = render_bytes(r.value)
+                key, _ = render_bytes(r.key, 1024)
+                headers = [(h, render_bytes(v, 1024)[0]) for h, v in r.headers]
+                out.append(ShownRecord(r.offset, r.timestamp_ms, key, headers, value, kind))
+            nxt = out[-1].offset + 1 if out else max(start, end if (tail or live) else start)
             return {"stream": stream, "earliest": earliest, "end": end, "start": start, "records": out,
                     "next": nxt, "limit": limit}
         finally:
             with contextlib.suppress(Exception):
                 await c.close()
+
+    @staticmethod
+    async def _last_records(c, n: int) -> list:
+        """The last ``n`` records at or below the LAC, read backwards from it a few entries at a time
+        (one bookie read for a tail of small batches; no search from the start of the stream)."""
+        from streams.batches import records_of, stored_batch
+
+        out: list = []
+        hi, low = c.lac, c.earliest_entry()
+        step = 4
+        while hi >= low and len(out) < n:
+            lo = max(low, hi - step + 1)
+            recs = []
+            for e in await c._read_all(lo, hi):
+                b = stored_batch(e.entry_id, e.data)
+                if b is not None:
+                    recs.extend(records_of(b, c.name))
+            out = recs + out
+            hi, step = lo - 1, min(step * 4, 1024)
+        return out[-n:]
 
     # ------------------------------------------------------------------ consumer groups
     def admin(self):

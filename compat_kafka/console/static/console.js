@@ -30,9 +30,10 @@
     if (!table) { return; }
     var next = parseInt(table.dataset.next, 10);
     function poll() {
-      fetch(table.dataset.live + "&offset=" + next, {credentials: "same-origin"})
+      fetch(table.dataset.live + "&live=1&offset=" + next, {credentials: "same-origin"})
         .then(function (r) { return r.json(); })
         .then(function (d) {
+          if (d.next !== undefined) { next = d.next; }
           (d.records || []).forEach(function (x) {
             var tr = document.createElement("tr");
             var hs = (x.headers || []).map(function (h) { return esc(h[0]) + "=" + esc(h[1]); }).join("<br>");
