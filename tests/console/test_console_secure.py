@@ -15,7 +15,10 @@ import trustme
 from selenium.webdriver.common.by import By
 
 from compat_kafka.security import sasl
+from compat_kafka.security.acls import AclBinding, Operation, PatternType, Permission, ResourceType
+from compat_kafka.security.authorizer import Authorizer
 from fragments.stores import open_store
+from streams.client import connect
 
 from .conftest import ConsoleProc, screenshot, wait_for
 from .test_console import submit, text
@@ -45,12 +48,25 @@ def _login(browser, url: str, user: str, password: str) -> None:
     submit(browser, form)
 
 
+async def _grant(metadata_url: str, binding: AclBinding) -> None:
+    store = await open_store(metadata_url)
+    try:
+        await Authorizer(store).create(binding)
+    finally:
+        await store.close()
+
+
 def test_login_acls_csrf_and_certificate_reload(console_cluster, browser, tmp_path):
     async def users():
         store = await open_store(console_cluster.metadata_url)
         try:
             await sasl.add_user(store, "admin", "admin-secret-1")
             await sasl.add_user(store, "alice", "alice-secret-1")
+            client = await connect(console_cluster.metadata_url)
+            try:
+                await client.create_stream("secure-demo")
+            finally:
+                await client.close()
         finally:
             await store.close()
 
@@ -75,6 +91,16 @@ def test_login_acls_csrf_and_certificate_reload(console_cluster, browser, tmp_pa
         assert "User:alice is not authorized" in text(browser, "#error")
         browser.get(p.url + "/streams")
         assert text(browser, "#streams").count("\n") == 0  # the list shows no topic she may not describe
+        # granted DESCRIBE on the topic (as `scroll kafka acl add` stores it), she sees it and its page
+        asyncio.run(_grant(console_cluster.metadata_url, AclBinding.make(
+            ResourceType.TOPIC, "secure-demo", PatternType.LITERAL, "User:alice", "*", Operation.DESCRIBE,
+            Permission.ALLOW)))
+        wait_for(lambda: browser.get(p.url + "/streams/secure-demo") or browser.find_elements(By.ID, "chain"), 20,
+                 "the granted stream page")
+        browser.get(p.url + "/streams")
+        assert [r.text.split()[0] for r in browser.find_elements(By.CSS_SELECTOR, "#streams tr")[1:]] == ["secure-demo"]
+        browser.get(p.url + "/records?stream=secure-demo")  # reading records needs READ, not granted
+        assert "User:alice is not authorized: READ on topic secure-demo" in text(browser, "#error")
         submit(browser, browser.find_element(By.CSS_SELECTOR, "nav form"))  # log out
         # admin, a super user, sees the cluster
         _login(browser, p.url, "admin", "admin-secret-1")
