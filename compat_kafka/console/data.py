@@ -53,6 +53,7 @@ class StreamRow:
     earliest: int | None = None
     latest: int | None = None
     bytes: int | None = None
+    records_in_per_s: float | None = None  # between the last two times the row was read (page views)
 
 
 @dataclass
@@ -209,13 +210,14 @@ class ConsoleData:
     async def _fill_offsets(self, row: StreamRow, meta) -> None:
         """Earliest and latest offsets and bytes of one row: its fragment records (one range read),
         and the LAC of its last fragment from a bookie (none for a sealed one). Kept ``ROW_TTL_S``
-        so paging back and forth or a refresh reads nothing again."""
+        so paging back and forth or a refresh reads nothing again; records/s in comes from the
+        previous reading of the row (so it shows from a page's second view on, nothing sampled)."""
         from streams.consumer import Consumer
 
         cached = self._rows.get(meta.name)
         if cached is not None and cached[0] == (meta.ledger_id, meta.term, meta.last_fragment_index) \
                 and time.monotonic() - cached[1] < ROW_TTL_S:
-            row.earliest, row.latest, row.bytes = cached[2]
+            row.earliest, row.latest, row.bytes, row.records_in_per_s = cached[2]
             return
         c = Consumer(self.client.cluster, meta)
         try:
@@ -230,10 +232,14 @@ class ConsoleData:
         finally:
             with contextlib.suppress(Exception):
                 await c.close()
+        now = time.monotonic()
+        if cached is not None and cached[0][0] == meta.ledger_id and cached[2][1] is not None \
+                and row.latest >= cached[2][1] and now - cached[1] >= 1.0:
+            row.records_in_per_s = (row.latest - cached[2][1]) / (now - cached[1])
         if len(self._rows) >= MAX_CACHED_ROWS:
             self._rows.clear()
-        self._rows[meta.name] = ((meta.ledger_id, meta.term, meta.last_fragment_index), time.monotonic(),
-                                 (row.earliest, row.latest, row.bytes))
+        self._rows[meta.name] = ((meta.ledger_id, meta.term, meta.last_fragment_index), now,
+                                 (row.earliest, row.latest, row.bytes, row.records_in_per_s))
 
     async def stream(self, name: str) -> dict:
         """The stream's record, its fragment chain (with racks) and the history the chain tells."""

@@ -93,6 +93,15 @@ def test_stream_list_searches_and_paginates(console, console_cluster, browser):
     names = [r.text.split()[0] for r in browser.find_elements(By.CSS_SELECTOR, "#streams tr")[1:]]
     assert names == ["paged-topic:2", "paged-topic:3"]
     screenshot(browser, "streams")
+    # records/s in: from two views of the row (kept 5 s between readings), nothing sampled meanwhile
+    kcat(console_cluster.shim.bootstrap, "paged-topic", "a\nb\nc\n", "-p", "2")
+
+    def rate_shown():
+        browser.get(console.url + "/streams?q=paged-topic:2")
+        cells = browser.find_elements(By.CSS_SELECTOR, "#streams tr td")
+        return cells and cells[6].text not in ("-", "0.0") and float(cells[6].text) > 0
+
+    wait_for(rate_shown, 30, "records/s in of paged-topic:2")
     browser.get(console.url + "/streams?page=nope")
     assert "page must be a whole number" in text(browser, "#error")
 
