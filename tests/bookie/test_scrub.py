@@ -165,3 +165,34 @@ def test_a_read_of_a_started_engine_has_the_copy_dropped_without_waiting_for_a_p
         await e.aclose()
 
     run(scenario())
+
+
+def test_a_pass_cut_short_resumes_after_a_restart_and_the_counters_persist(make_engine) -> None:
+    e = written(make_engine)
+    total = e.scrub().entries  # a first whole pass: the counters start
+    flip(e.config.data_dir, payload(30))
+    part = e.scrubber.scrub_now(max_chunks=2, chunk_bytes=2000)  # the bookie stops mid-pass
+    assert not part.complete and 0 < part.entries < 29 and part.corrupt == 0
+    pos = e.scrubber.position_ids()
+    assert pos[0] == 7 and pos[1] > 1 and e.scrubber.pass_started > 0
+    e.close()
+
+    e = make_engine()  # restarted: the pass resumes where it stopped, not from the first entry
+    sc = e.scrubber
+    sc.load()
+    assert sc.position_ids() == pos and (sc.passes, sc.entries) == (1, total + part.entries)
+    rest = e.scrub()
+    assert rest.complete and rest.entries == total - part.entries and rest.corrupt == 1
+    assert (sc.passes, sc.entries, sc.corrupt, sc.repaired) == (2, 2 * total, 1, 0)
+    assert sc.position is None and 0 < sc.last_pass_start <= sc.last_pass_end and list(sc.awaiting) == [(7, 30)]
+    # a good copy written back (what `check --fix` does) counts as repaired, once
+    add(e, 7, [30], data=payload, recovery=True, lac=40)
+    assert sc.check_repaired() == 1 and sc.check_repaired() == 0 and not sc.awaiting
+    e.checkpoint()
+    sc.save()
+    e.close()
+
+    e = make_engine()
+    e.scrubber.load()
+    assert (e.scrubber.passes, e.scrubber.corrupt, e.scrubber.repaired, e.scrubber.position) == (2, 1, 1, None)
+    assert e.scrub().entries == total  # the next pass is a whole one again
