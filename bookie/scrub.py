@@ -270,6 +270,8 @@ class Scrubber:
         except (ValueError, TypeError, KeyError) as exc:  # never fatal: a fresh pass starts
             log.error("scrub state in the index is unreadable (%s): starting over", exc)
             return
+        if self.last_pass_end:
+            self.metrics.scrub_last_pass.set(self.last_pass_end)
         if self.position is not None:
             log.info("scrub: a pass started %s was interrupted at ledger=%s entry=%s; it resumes there",
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.pass_started)), *self.position_ids())
