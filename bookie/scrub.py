@@ -409,13 +409,15 @@ class Scrubber:
         try:
             while start is not None:
                 await self._handle_reported()
-                start, n, nbytes, found = await loop.run_in_executor(pool, self.scrub_chunk, start, chunk_bytes)
+                nxt, n, nbytes, found = await loop.run_in_executor(pool, self.scrub_chunk, start, chunk_bytes)
+                if found:
+                    res.corrupt += await self._drop_async(found)
+                    if self.engine._closing:  # not dropped: the next start checks this chunk again
+                        raise asyncio.CancelledError
                 res.entries += n
                 res.bytes += nbytes
                 self._count(n, nbytes)
-                self.position = start
-                if found:
-                    res.corrupt += await self._drop_async(found)
+                self.position = start = nxt  # the chunk is done (its findings handled)
                 if start is not None and time.monotonic() - self._saved_at >= self.save_every_s:
                     self.save()
                 ahead = res.bytes / rate - (time.monotonic() - t0)
