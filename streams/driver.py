@@ -412,10 +412,11 @@ class WriterDriver:
             log.error("stream=%s driver task failed", self.name, exc_info=t.exception())
 
     def bookie_left(self, bookie: str) -> None:
-        """``bookie`` left the registry (its lease expired, or it stopped): if it is a member of the
-        open fragment, replace it now, as a failed write would, even when no append is coming (an
-        idle writer otherwise never notices, and its open fragment would stay on a lost bookie).
-        The written prefix becomes a sealed fragment that autorecovery re-replicates."""
+        """``bookie`` left the registry (its lease expired, or it stopped; the caller refreshed the
+        cluster's view of the live bookies, once for all writers): if it is a member of the open
+        fragment, replace it now, as a failed write would, even when no append is coming (an idle
+        writer otherwise never notices, and its open fragment would stay on a lost bookie). The
+        written prefix becomes a sealed fragment that autorecovery re-replicates."""
         w = self.writer
         if w is None or w.phase is not Phase.OPEN or self._stopped or self.failure is not None:
             return
@@ -423,17 +424,6 @@ class WriterDriver:
             return
         log.info("stream=%s ledger=%s term=%s: bookie %s of the open ensemble left the registry; replacing it",
                  self.name, w.ledger.ledger_id, w.term, bookie)
-        self._spawn(self._replace_left(w, bookie))
-
-    async def _replace_left(self, w: LedgerWriter, bookie: str) -> None:
-        try:
-            await self.cluster.refresh_bookies()  # place from the registry as it is now
-        except Exception as exc:  # noqa: BLE001 - place from the view we have
-            log.debug("stream=%s refreshing the live bookies failed: %r", self.name, exc)
-        if self.writer is not w or w.phase is not Phase.OPEN or bookie in w.failed:
-            return
-        if bookie in {b.bookie_id for b in self.cluster.live()}:
-            return  # registered again meanwhile (a restart): nothing to replace
         self._placed_at = self._now()
         self._update_placement(w)
         w.advance_clock(self._now())

@@ -551,6 +551,19 @@ class _Liveness:
             await asyncio.sleep(1.0)
 
     def _bookie_left(self, bookie: str) -> None:
+        if any(bookie in p._driver.writer.fragment.ensemble for p in self.producers if p._failure is None):
+            self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(asyncio.get_running_loop().create_task(self._tell(bookie), name="writer-bookie-left"))
+
+    async def _tell(self, bookie: str) -> None:
+        """One refresh of the live bookies for every writer (they place the replacement from it),
+        then each writer whose open ensemble names ``bookie`` replaces it."""
+        try:
+            await self.cluster.refresh_bookies()
+        except Exception as exc:  # noqa: BLE001 - place from the view we have
+            log.debug("refreshing the live bookies failed: %r", exc)
+        if bookie in {r.bookie_id for r in self.cluster.live()}:
+            return  # registered again meanwhile (a restart): nothing to replace
         for p in list(self.producers):
             if p._failure is None:
                 p._driver.bookie_left(bookie)
