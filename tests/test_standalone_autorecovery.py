@@ -151,8 +151,9 @@ def test_standalone_repairs_a_lost_bookie_with_no_command_typed(tmp_path):
             await until(clean, f"`scroll check` clean with {a} stopped")
             phase(f"check clean, {a} stopped")
             await native_back(c)
+            phase("native read back")
             await asyncio.to_thread(read_back)
-            phase("read back")
+            phase("Kafka read back")
 
             # a second bookie lost afterwards: every entry still has two live copies
             b = next(x for x in (await fragments(c, "ar-kafka"))[-1].ensemble if x != a)
