@@ -6,8 +6,9 @@ position and totals kept in its own index); this asks each chosen live bookie fo
 Scrub RPC), polls its Info until that pass has ended (``wait``), and with ``repair`` runs what
 ``scroll check --fix`` does on the streams whose entries a bookie found bad (the bookie removed
 those copies, so they show as missing copies; the fix writes good ones back from another replica,
-which the bookie then counts as repaired). The answer is one dict per bookie plus the repairs, and
-``ok``: no bad copy is still waiting for its repair.
+which the bookie then counts as repaired). The answer is one dict per bookie (or its ``error``: a
+bookie that does not answer) plus the repairs, and ``ok``: every bookie answered and no bad copy
+is still waiting for its repair.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from bookie.errors import BookieError
 from fragments.ledgers import NoSuchLedger
 
 from ..errors import ScrollError
@@ -41,6 +43,13 @@ def _view(bookie_id: str, info, started: bool | None) -> dict:
 
 
 async def _one(cluster, bookie_id: str, start: bool, wait: bool, deadline: float) -> dict:
+    try:
+        return await _ask(cluster, bookie_id, start, wait, deadline)
+    except BookieError as exc:  # one bookie that does not answer must not hide the others
+        return {"bookie": bookie_id, "error": f"{type(exc).__name__}: {exc}"}
+
+
+async def _ask(cluster, bookie_id: str, start: bool, wait: bool, deadline: float) -> dict:
     bc = cluster.client(bookie_id)
     if bc is None:
         raise ScrubCommandError(f"bookie {bookie_id} is not registered")
@@ -76,8 +85,8 @@ async def scrub_bookies(client, bookie_ids: list[str] | None = None, *, start: b
     deadline = time.monotonic() + timeout_s
     views = list(await asyncio.gather(*(_one(cluster, b, start, wait, deadline) for b in ids)))
     repairs: list[dict] = []
-    if repair and any(v["awaiting_repair"] for v in views):
-        ledgers = sorted({f["ledger"] for v in views for f in v["findings"] if f["removed"]})
+    if repair and any(v.get("awaiting_repair") for v in views):
+        ledgers = sorted({f["ledger"] for v in views for f in v.get("findings", ()) if f["removed"]})
         for lid in ledgers:
             try:
                 meta, _ = await cluster.ledgers.get_ledger(lid)
@@ -86,8 +95,10 @@ async def scrub_bookies(client, bookie_ids: list[str] | None = None, *, start: b
             for r in await admin.check(client, True, meta.name):
                 repairs.append({"stream": r["stream"], "fragment": r["fragment"], "copied": r["copied"],
                                 "action": r["action"], "error": r["error"]})
-        views = [_view(v["bookie"], await cluster.client(v["bookie"]).info(), v["started"]) for v in views]
-    return {"bookies": views, "repairs": repairs, "ok": not any(v["awaiting_repair"] for v in views)}
+        views = [v if "error" in v else _view(v["bookie"], await cluster.client(v["bookie"]).info(), v["started"])
+                 for v in views]
+    return {"bookies": views, "repairs": repairs,
+            "ok": not any(v.get("awaiting_repair") or "error" in v for v in views)}
 
 
 __all__ = ["scrub_bookies", "ScrubCommandError"]

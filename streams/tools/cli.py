@@ -1436,6 +1436,9 @@ def bookie_scrub(bookie_ids, all_bookies, status_only, wait, repair, timeout_s, 
         t = Table("bookie", "started", "running", "passes", "last pass (start .. end)", "pass under way",
                   "entries checked", "bad copies", "repaired", "awaiting repair", title="scrub")
         for b in d["bookies"]:
+            if "error" in b:
+                t.add_row(b["bookie"], *["-"] * 9, style="red")
+                continue
             under = "-"
             if b["pass_started"]:
                 pos = b["position"]
@@ -1447,7 +1450,9 @@ def bookie_scrub(bookie_ids, all_bookies, status_only, wait, repair, timeout_s, 
                       style="red" if b["awaiting_repair"] else None)
         _console().print(t)
         for b in d["bookies"]:
-            for f in b["findings"]:
+            if "error" in b:
+                click.echo(f"{b['bookie']}: no answer: {b['error']}")
+            for f in b.get("findings", ()):
                 click.echo(f"{b['bookie']}: bad copy ledger={f['ledger']} entry={f['entry']} ({f['found_by']}, "
                            f"{when(f['at'])}): {f['reason']}" + ("" if f["removed"] else " [kept: above the LAC]"))
         for r in d["repairs"]:
