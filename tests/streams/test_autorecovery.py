@@ -443,3 +443,30 @@ def test_a_live_idle_writer_replaces_a_lost_bookie_itself_a_dead_writer_is_taken
                 w.wait(30)
         for i in stopped:
             rcluster.bookies[i].signal(signal.SIGCONT)
+
+
+def test_a_writer_whose_lease_lapsed_holds_its_key_again(rcluster):
+    """A client stalled past its writer lease (here: the lease revoked) finds the lease gone on its
+    next keep-alive and puts the keys of its open writers again under a new one."""
+    from streams.producer import _Liveness
+
+    async def main():
+        c = await connect(rcluster.metadata_url)
+        try:
+            await c.create_stream("autorec-relapse", ensemble=3, write_quorum=3, ack_quorum=2)
+            p = await c.producer("autorec-relapse")
+            await p.append(b"one")
+            store, key = c.cluster.store, writer_key(p.stream_id)
+            live = _Liveness.of(c.cluster)
+            old = live._lease
+            await old.revoke()
+            assert await store.get(key) is None
+            await until(lambda: store.get(key), "the writer key put again", timeout_s=30)
+            assert live._lease is not old and json.loads((await store.get(key)).value)["term"] == p.term
+            assert await p.append(b"two") == 1
+            await p.close()
+            assert await store.get(key) is None and live._lease is None  # the last producer closed: lease revoked
+        finally:
+            await c.close()
+
+    asyncio.run(main())
