@@ -466,6 +466,7 @@ class Broker:
                                           f"{self.node_id})")
             plog = PartitionLog(self.client, topic, index, self.config.partition, writable=write)
             plog.on_append = functools.partial(self._partition_appended, plog)
+            plog.writer_lease = self.ownership.lease  # the writer's liveness key goes with the ownership
             try:
                 await plog.open()
             except BaseException:
