@@ -5,6 +5,7 @@ unbound one (confluent-kafka, its throttle callback); the per-address connection
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import struct
@@ -442,3 +443,76 @@ def test_a_fetch_quota_bound_kafka_python_consumer_reads_everything_in_order(qsh
     assert [v for _o, v in got] == [b"%06d" % i for i in range(FETCH_RECORDS)]
     assert qshim.server.broker.quotas.throttled["consumer_byte_rate"] > throttled0
     assert_held_near(FETCH_QUOTA, 2.0, FETCH_RECORDS * 1000, elapsed)
+
+
+# ---------------------------------------------------------------- a produce flood under a memory bound
+def test_a_produce_flood_keeps_the_listeners_memory_under_its_inflight_bound(cluster):
+    """Five producers send 1 MB produce requests as fast as they can to a listener whose
+    ``max_inflight_produce_bytes`` is 4 MiB: the Python memory the listener allocates meanwhile
+    (tracemalloc: the listener runs in this process; librdkafka's memory is not Python's) stays
+    under the bound plus a small fixed overhead, the clients wait (backpressure), and every
+    acknowledged record is stored. Before the bound counted each request's copies and the bytes the
+    partitions' writers keep, the same flood took ~9x the bound."""
+    import tracemalloc
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    bound, overhead = 4 << 20, 2 << 20
+    shim = ShimThread(cluster.metadata_url, free_port(), node_id=None,
+                      server_options={"max_inflight_produce_bytes": bound})
+    shim.start()
+    prods = []
+    try:
+        admin = AdminClient({"bootstrap.servers": shim.bootstrap})
+        admin.create_topics([NewTopic("flood", 4, 1)])["flood"].result(30)
+        prods = [Producer({"bootstrap.servers": shim.bootstrap, "acks": "all", "linger.ms": 50,
+                           "batch.size": 1_000_000, "message.max.bytes": 1_000_000,
+                           "queue.buffering.max.kbytes": 4096}) for _ in range(5)]
+        pad = b"z" * 99_000
+        acked, errors = [0], []
+
+        def report(err, _msg):
+            if err is None:
+                acked[0] += 1
+            else:
+                errors.append(err)
+
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            stop = time.monotonic() + 3.0
+            while time.monotonic() < stop:
+                for p in prods:
+                    with contextlib.suppress(BufferError):
+                        p.produce("flood", pad, on_delivery=report)
+                    p.poll(0)
+                time.sleep(0.001)
+            for p in prods:
+                assert p.flush(60) == 0
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        budget = shim.server.produce_budget
+        print(f"flood: {acked[0]} records acked, listener allocations peak +{peak / 2**20:.1f} MiB (bound "
+              f"{bound / 2**20:.0f} MiB), budget peak {budget.peak / 2**20:.1f} MiB, with the writers' "
+              f"{budget.peak_total / 2**20:.1f} MiB, waits {shim.server.stats['produce_bytes_waits']}")
+        assert not errors and acked[0] > 20
+        assert shim.server.stats["produce_bytes_waits"] > 0  # the bound held clients back
+        assert budget.peak <= bound
+        assert peak <= bound + overhead
+        # every acknowledged record is stored: the high watermarks count them
+        assert sum(high_watermarks(shim.bootstrap, "flood", 4)) == acked[0]
+    finally:
+        prods.clear()
+        shim.stop()
+
+
+def high_watermarks(bootstrap: str, topic: str, partitions: int) -> list[int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "watermarks"})
+    try:
+        return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)]
+    finally:
+        c.close()
