@@ -32,9 +32,11 @@ files that cannot be used are logged and the certificate in use stays (``fragmen
 
 Overload (``ServerConfig``). A connection over ``max_connections`` (per listener) or
 ``max_connections_per_ip`` (and its per-address overrides) is closed as soon as it is accepted,
-and counted (``stats``). A produce frame's body is read only once its bytes fit in
-``max_inflight_produce_bytes`` (all connections; released when it is answered), so a flood of
-produces waits in the clients' sockets. An answer over a client quota (``quotas.py``) carries its
+and counted (``stats``). A produce frame's body is read only once its memory fits in
+``max_inflight_produce_bytes`` (all connections): the frame counts ``PRODUCE_COPIES`` times its
+size until it is answered, and the bytes the partitions' writers still hold count against the same
+bound (``_WritersHeld``), so a flood of produces waits in the clients' sockets and the listener's
+memory stays near the bound. An answer over a client quota (``quotas.py``) carries its
 throttle time and mutes the connection: nothing more is read from it until that time has passed.
 """
 
@@ -556,6 +558,7 @@ class ByteBudget:
         self.peak = 0  # of used
         self.peak_total = 0  # of used + held elsewhere, when a request was let in
         self._held_elsewhere = held_elsewhere
+        self._poller: asyncio.Task | None = None
         self._waiters: collections.deque = collections.deque()
 
     def _fits(self, n: int) -> bool:
@@ -582,27 +585,10 @@ class ByteBudget:
         fut = asyncio.get_running_loop().create_future()
         entry = [n, fut]
         self._waiters.append(entry)
-        loop = asyncio.get_running_loop()
+        if self._held_elsewhere is not None and self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll(), name="produce-budget")
         try:
-            idle_since = None
-            while True:
-                if self._held_elsewhere is None:
-                    await fut
-                    break
-                # what the writers hold shrinks as bookies acknowledge: no release wakes us for that
-                done, _ = await asyncio.wait([fut], timeout=_HELD_RECHECK_S)
-                if done:
-                    fut.result()
-                    break
-                self._wake()
-                if self.used or not self._waiters or self._waiters[0] is not entry:
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = loop.time()
-                elif loop.time() - idle_since >= _HELD_ESCAPE_S and not fut.done():
-                    self._waiters.popleft()
-                    self._take(n)
-                    fut.set_result(None)
+            await fut
         except BaseException:
             if fut.done() and not fut.cancelled():
                 self.release(n)  # granted as we were cancelled
@@ -611,6 +597,29 @@ class ByteBudget:
                     self._waiters.remove(entry)
                 self._wake()
             raise
+
+    async def _poll(self) -> None:
+        """While requests wait: what the writers hold shrinks as bookies acknowledge, and no
+        release wakes the waiters for that, so check again every ``_HELD_RECHECK_S``; let the first
+        one in when nothing of the budget has been in use for ``_HELD_ESCAPE_S``."""
+        loop = asyncio.get_running_loop()
+        idle_since = None
+        try:
+            while self._waiters:
+                await asyncio.sleep(_HELD_RECHECK_S)
+                self._wake()
+                if not self._waiters or self.used:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = loop.time()
+                elif loop.time() - idle_since >= _HELD_ESCAPE_S:
+                    n, fut = self._waiters.popleft()
+                    if not fut.done():
+                        self._take(n)
+                        fut.set_result(None)
+                    idle_since = None
+        finally:
+            self._poller = None
 
     def release(self, n: int) -> None:
         self.used -= n
