@@ -516,3 +516,18 @@ def high_watermarks(bootstrap: str, topic: str, partitions: int) -> list[int]:
         return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)]
     finally:
         c.close()
+
+
+def test_a_fetch_over_its_request_percentage_is_answered_empty(qshim, fetch_topic):
+    """As Kafka: a fetch over the request quota (a tiny share of a handler: any fetch is over it)
+    gets the empty, throttled answer although records are there."""
+    cid = "fq-request-share"
+    with connect(qshim.port) as s:
+        call(s, alter_req(1, [([("client-id", cid)], [("request_percentage", 0.0001)])]))
+        try:
+            with connect(qshim.port) as c:  # its own connection: this one is muted after the answer
+                c.sendall(codec.encode_request(fetch_req(12, fetch_topic, 0), 1, client_id=cid))
+                _corr, resp = codec.decode_response(recv_frame(c), codec.API_FETCH, 12)
+            assert resp.throttle_time.total_seconds() > 0 and resp.responses == ()
+        finally:
+            call(s, alter_req(1, [([("client-id", cid)], [("request_percentage", None)])]), 2)
