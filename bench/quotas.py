@@ -4,12 +4,12 @@ How this works. ``LocalCluster`` starts etcd and three bookie processes; ``scrol
 its own process (``--max-connections 20000``, ``--max-inflight-produce-bytes``). Phases, same run:
 
 * quota: a latency-sensitive pair (a producer paced at ``--paced-rate`` records/s of 100 B and a
-  consumer tailing the topic; end-to-end latency = receive time - CreateTime) runs alone for
-  ``--seconds``, then beside a greedy producer (no quota, acks=all, 10 KB values, as fast as it can)
-  and a quota-bound producer (client id ``bound``, ``producer_byte_rate`` = ``--quota`` set with
-  ``scroll kafka quotas alter``), each in its own process. Reported: greedy and bound MB/s (the
-  bound one measured after its first ``--warmup`` seconds, once the rate windows filled), the
-  consumer's p50/p99 alone and with the greedy one.
+  consumer tailing the topic; end-to-end latency = receive time - CreateTime) runs for
+  ``--seconds`` (i) alone, (ii) beside a greedy producer (client id ``greedy``, its own process,
+  acks=all, 10 KB values, as fast as it can) with no quota, (iii) beside the same producer bound by
+  ``producer_byte_rate`` = ``--quota`` (``scroll kafka quotas alter``), started ``--warmup`` s before
+  the pair so its rate windows have filled. Reported: the consumer's p50/p99 in each, the greedy
+  producer's MB/s unbound and bound (counted after its warmup), as JSON and as a table.
 * idle: ``--idle-connections`` TCP connections to the listener, each having sent one ApiVersions;
   the listener's RSS before and with them, and its CPU% over ``--idle-seconds``.
 * flood: ``--flood-clients`` confluent-kafka producers (processes of 10 producers each) sending
@@ -146,40 +146,65 @@ def paced_pair(bootstrap, topic, rate, seconds) -> list[float]:
     return lat
 
 
-def phase_quota(args, bootstrap, url, results) -> None:
-    create_topic(bootstrap, "greedy", 1)
-    create_topic(bootstrap, "lat", 1)
-    r = subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "quotas", "alter", "--entity-type", "clients",
-                        "--entity-name", "bound", "--add-config", f"producer_byte_rate={args.quota}", "--metadata", url],
-                       capture_output=True, text=True)
+def set_quota(url, client_id, key, value) -> None:
+    change = ["--add-config", f"{key}={value}"] if value is not None else ["--delete-config", key]
+    r = subprocess.run([sys.executable, "-m", "streams.tools.cli", "kafka", "quotas", "alter", "--entity-type",
+                        "clients", "--entity-name", client_id, *change, "--metadata", url], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    alone = paced_pair(bootstrap, "lat", args.paced_rate, args.seconds)
+
+
+def beside_producer(args, bootstrap, client_id, warmup) -> tuple[list[float], dict]:
+    """The paced pair's latencies beside a producer (``client_id``, 10 KB values, as fast as it
+    goes) started ``warmup`` seconds before it, and that producer's record."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=producer_proc, args=(bootstrap, "greedy", cid, args.seconds + 2, 10_000, out))
-             for cid in ("greedy", "bound")]
-    for p in procs:
-        p.start()
-    time.sleep(1)
-    beside = paced_pair(bootstrap, "lat", args.paced_rate, args.seconds)
-    got = {d["client_id"]: d for d in (out.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(30)
+    proc = ctx.Process(target=producer_proc, args=(bootstrap, "greedy", client_id, warmup + args.seconds + 2, 10_000,
+                                                   out))
+    proc.start()
+    time.sleep(warmup)
+    lat = paced_pair(bootstrap, "lat", args.paced_rate, args.seconds)
+    got = out.get(timeout=180)
+    proc.join(30)
+    return lat, got
 
-    def rate(d, warmup):
-        t0 = d["start"] + warmup
+
+def phase_quota(args, bootstrap, url, results) -> None:
+    """The latency-sensitive consumer (i) alone, (ii) beside the greedy producer with no quota,
+    (iii) beside the same producer (same client id) bound by ``producer_byte_rate`` = ``--quota``,
+    its rate windows filled first (``--warmup`` s)."""
+    create_topic(bootstrap, "greedy", 1)
+    create_topic(bootstrap, "lat", 1)
+    alone = paced_pair(bootstrap, "lat", args.paced_rate, args.seconds)
+    unbound, greedy = beside_producer(args, bootstrap, "greedy", 1.0)
+    set_quota(url, "greedy", "producer_byte_rate", args.quota)
+    time.sleep(2)  # the listener applies it through its watch (within about a second)
+    bound, capped = beside_producer(args, bootstrap, "greedy", args.warmup)
+    set_quota(url, "greedy", "producer_byte_rate", None)
+
+    def rate(d, after):  # acknowledged bytes/s from ``after`` s after its start
+        t0 = d["start"] + after
         xs = [(t, n) for t, n in d["delivered"] if t >= t0]
         return sum(n for _t, n in xs) / max(xs[-1][0] - t0, 1e-3) if xs else 0.0
 
-    res = {"quota_bytes_per_s": args.quota, "greedy_mb_per_s": rate(got["greedy"], 0) / 1e6,
-           "bound_mb_per_s": rate(got["bound"], args.warmup) / 1e6,
-           "bound_throttle_responses": len(got["bound"]["throttles"]),
-           "bound_max_throttle_ms": max([t * 1000 for t in got["bound"]["throttles"]], default=0),
-           "greedy_throttle_responses": len(got["greedy"]["throttles"]),
-           "consumer_alone_ms": {"n": len(alone), "p50": pct(alone, 0.5), "p99": pct(alone, 0.99)},
-           "consumer_beside_greedy_ms": {"n": len(beside), "p50": pct(beside, 0.5), "p99": pct(beside, 0.99)}}
+    def lat(xs):
+        return {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
+
+    res = {"quota_bytes_per_s": args.quota,
+           "greedy_unbound_mb_per_s": rate(greedy, 1.0) / 1e6,
+           "greedy_unbound_throttle_responses": len(greedy["throttles"]),
+           "greedy_bound_mb_per_s": rate(capped, args.warmup) / 1e6,
+           "greedy_bound_throttle_responses": len(capped["throttles"]),
+           "greedy_bound_max_throttle_ms": max([t * 1000 for t in capped["throttles"]], default=0),
+           "consumer_alone_ms": lat(alone),
+           "consumer_beside_unbound_ms": lat(unbound),
+           "consumer_beside_bound_ms": lat(bound)}
     results["quota"] = res
     print(json.dumps({"quota": res}, indent=1), flush=True)
+    rows = [("alone", alone, "-"), ("beside greedy, no quota", unbound, f"{res['greedy_unbound_mb_per_s']:.1f} MB/s"),
+            (f"beside greedy, quota {args.quota / 1e6:g} MB/s", bound, f"{res['greedy_bound_mb_per_s']:.2f} MB/s")]
+    print("| consumer | p50 ms | p99 ms | n | greedy producer |\n|---|---:|---:|---:|---:|")
+    for name, xs, prod in rows:
+        print(f"| {name} | {pct(xs, 0.5):.1f} | {pct(xs, 0.99):.1f} | {len(xs)} | {prod} |", flush=True)
 
 
 # ---------------------------------------------------------------- idle connections
@@ -316,6 +341,8 @@ def phase_flood(args, bootstrap, pid, cluster, results) -> None:
            "rss_base_mb": {k: v / 2**20 for k, v in base.items()},
            "rss_peak_mb": {k: v / 2**20 for k, v in peaks.items()},
            "listener_max_inflight_produce_mb": args.max_inflight_produce_bytes / 2**20,
+           "listener_growth_mb": (peaks["listener"] - base["listener"]) / 2**20,
+           "listener_growth_over_bound": (peaks["listener"] - base["listener"]) / max(args.max_inflight_produce_bytes, 1),
            "bookie_write_plus_read_cache_mb": 128 + 64}
     results["flood"] = res
     print(json.dumps({"flood": res}, indent=1), flush=True)
@@ -325,7 +352,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phases", default="quota,idle,flood")
     ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--warmup", type=float, default=12.0, help="seconds before the bound producer's rate counts")
+    ap.add_argument("--warmup", type=float, default=12.0,
+                    help="seconds the bound producer runs before the pair starts (and its rate counts)")
     ap.add_argument("--quota", type=int, default=1_000_000, help="the bound producer's producer_byte_rate")
     ap.add_argument("--paced-rate", type=float, default=100.0)
     ap.add_argument("--idle-connections", type=int, default=10_000)

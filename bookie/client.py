@@ -165,6 +165,12 @@ class BookieInfo:
     scrub_last_pass_end: float = 0.0
     scrub_running: bool = False
     scrub_findings: tuple = ()  # ((ledger, entry, reason, found_by, unix time, removed), ...), the latest
+    scrub_last_pass_start: float = 0.0
+    scrub_pass_started: float = 0.0  # the pass under way or interrupted (0: none)
+    scrub_pass_entries: int = 0
+    scrub_position: tuple | None = None  # (ledger, entry) that pass continues from
+    scrub_repaired: int = 0
+    scrub_awaiting_repair: int = 0
 
 
 # ------------------------------------------------------------------------------ the data connection
@@ -876,6 +882,9 @@ class BookieClient:
             r.bookie_id, r.free_bytes, r.used_bytes, r.read_only, r.read_only_reason, r.ledgers, r.write_cache_bytes, r.version,
             r.scrub_passes, r.scrub_entries, r.scrub_corrupt, r.scrub_last_pass_end, r.scrub_running,
             tuple((f.ledger_id, f.entry_id, f.reason, f.found_by, f.at, f.removed) for f in r.scrub_findings),
+            r.scrub_last_pass_start, r.scrub_pass_started, r.scrub_pass_entries,
+            (r.scrub_position_ledger, r.scrub_position_entry) if r.scrub_position_ledger >= 0 else None,
+            r.scrub_repaired, r.scrub_awaiting_repair,
         )
 
     async def scrub(self) -> bool:

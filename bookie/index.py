@@ -6,7 +6,8 @@ How this works. One RocksDB (through rocksdict, raw bytes) holds four kinds of k
 clean term); ``L`` + log id -> (total bytes, live bytes) of an entry log, which GC uses to pick
 logs to compact; ``M`` -> the checkpoint mark (the last journal seq whose effects are all in entry
 logs and in this index). A flush writes all four for its generation in one synced ``WriteBatch``:
-either the whole checkpoint is durable or none of it is. The index is written only by the flush/GC
+either the whole checkpoint is durable or none of it is. (One more key, ``C``, holds the scrubber's
+position and totals, JSON written by the scrub thread on its own: ``bookie/scrub.py``.) The index is written only by the flush/GC
 thread; readers call ``location`` from any thread (RocksDB is thread-safe).
 """
 

@@ -19,6 +19,16 @@ pass did) is reported here too (``report``) and handled the same way. Every find
 ERROR with ledger and entry, counted (``scroll_bookie_scrub_corrupt_entries``) and listed in the
 bookie's Info (the last ``RECENT`` of them).
 
+Progress is persisted (``SCRUB_KEY`` in the bookie's own RocksDB index, a key no flush batch
+touches, written with an unsynced put: a crash loses at most ``SAVE_EVERY_S`` of progress): the
+index key the pass continues from, when the pass started, and totals since the store was created
+(passes, entries checked, bad copies found, copies repaired). A restarted bookie resumes an
+interrupted pass where it was (``scrub_first_delay_s`` after start) instead of starting over, and
+after a completed pass waits out the rest of ``scrub_interval_s``. A copy the scrubber removed
+waits for its repair (``awaiting``, persisted too): once a good copy is stored again (``check
+--fix`` or the autorecovery writes it with a recovery add) it counts as repaired.
+``scroll bookie scrub`` starts a pass and shows all this (Info).
+
 An index entry whose entry log is gone (a log compacted while it held a corrupt record: the
 compaction cannot copy that record, see ``gc.py``) is a finding too. Entries still in the write
 cache are not on disk yet and are not scrubbed; a copy the index no longer names when it is about
@@ -30,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -46,6 +57,9 @@ log = logging.getLogger(__name__)
 CHUNK_ENTRIES = 512
 CHUNK_BYTES = 1 << 20
 RECENT = 100
+SCRUB_KEY = b"C"  # the persisted scrub state (JSON) in the bookie's index
+SAVE_EVERY_S = 5.0  # how often a running pass saves its position
+AWAITING_MAX = 10_000  # removed copies remembered until their repair
 
 
 @dataclass(frozen=True)
@@ -79,10 +93,20 @@ class Scrubber:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.metrics = engine.metrics
+        # totals since the store was created (persisted under SCRUB_KEY)
         self.passes = 0
         self.entries = 0
         self.corrupt = 0
+        self.repaired = 0  # removed copies stored again since (a recovery add from a good replica)
+        self.last_pass_start = 0.0  # unix time the last complete pass started; 0: none yet
         self.last_pass_end = 0.0  # unix time; 0: no pass completed yet
+        self.position: bytes | None = None  # index key an interrupted or running pass continues from
+        self.pass_started = 0.0  # unix time the pass under way (or interrupted) started; 0: none
+        self.pass_entries = 0  # entries the pass under way has checked so far
+        self.awaiting: dict[tuple[int, int], float] = {}  # (ledger, entry) removed -> when, until repaired
+        self.save_every_s = SAVE_EVERY_S
+        self._loaded = False
+        self._saved_at = 0.0
         self.running = False
         self.recent: collections.deque[Finding] = collections.deque(maxlen=RECENT)
         self._reported: collections.deque[Finding] = collections.deque()
@@ -176,6 +200,7 @@ class Scrubber:
         for f in dropped:
             self.engine.read_cache.drop(f.ledger_id, f.entry_id, f.entry_id)
             if f.removed:
+                self.awaiting[(f.ledger_id, f.entry_id)] = f.at
                 log.error(
                     "corrupt copy %s (found by %s): removed from the index, reads answer NO_SUCH_ENTRY for it; "
                     "`scroll check --fix` copies it back from another replica", f.describe(), f.found_by,
@@ -222,34 +247,136 @@ class Scrubber:
             self._reported.clear()
         return out
 
+    # ------------------------------------------------------------------ persisted state
+
+    def load(self) -> None:
+        """Read the persisted state (once, after the engine opened its index)."""
+        if self._loaded:
+            return
+        self._loaded = True
+        raw = self.engine.index.db.get(SCRUB_KEY)
+        if raw is None:
+            return
+        try:
+            d = json.loads(raw)
+            self.passes, self.entries, self.corrupt, self.repaired = (
+                int(d.get(k, 0)) for k in ("passes", "entries", "corrupt", "repaired"))
+            self.last_pass_start = float(d.get("last_pass_start", 0.0))
+            self.last_pass_end = float(d.get("last_pass_end", 0.0))
+            self.position = bytes.fromhex(d["position"]) if d.get("position") else None
+            self.pass_started = float(d.get("pass_started", 0.0)) if self.position else 0.0
+            self.pass_entries = int(d.get("pass_entries", 0)) if self.position else 0
+            self.awaiting = {(int(lid), int(eid)): float(at) for lid, eid, at in d.get("awaiting", [])}
+        except (ValueError, TypeError, KeyError) as exc:  # never fatal: a fresh pass starts
+            log.error("scrub state in the index is unreadable (%s): starting over", exc)
+            return
+        if self.last_pass_end:
+            self.metrics.scrub_last_pass.set(self.last_pass_end)
+        if self.position is not None:
+            log.info("scrub: a pass started %s was interrupted at ledger=%s entry=%s; it resumes there",
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.pass_started)), *self.position_ids())
+
+    def state(self) -> dict:
+        return {
+            "passes": self.passes, "entries": self.entries, "corrupt": self.corrupt, "repaired": self.repaired,
+            "last_pass_start": self.last_pass_start, "last_pass_end": self.last_pass_end,
+            "position": self.position.hex() if self.position else None, "pass_started": self.pass_started,
+            "pass_entries": self.pass_entries,
+            "awaiting": [[lid, eid, at] for (lid, eid), at in list(self.awaiting.items())[-AWAITING_MAX:]],
+        }
+
+    def save(self) -> None:
+        """Write the state to the index (any thread: one key of its own, never in a flush batch)."""
+        index = self.engine.index
+        if index is None or not self.engine._opened:
+            return
+        index.db.put(SCRUB_KEY, json.dumps(self.state()).encode())
+        self._saved_at = time.monotonic()
+
+    def position_ids(self) -> tuple[int | None, int | None]:
+        """(ledger, entry) the pass continues from, or (None, None)."""
+        if not self.position or len(self.position) != 17:
+            return None, None
+        return int.from_bytes(self.position[1:9], "big"), int.from_bytes(self.position[9:17], "big")
+
+    def check_repaired(self) -> int:
+        """Count the removed copies that are stored again (a recovery add wrote a good copy) or whose
+        ledger is gone (not counted); returns how many were repaired now. On the event loop."""
+        e = self.engine
+        if not self.awaiting or e.index is None or not e._opened:
+            return 0
+        n = 0
+        for key in list(self.awaiting):
+            lid, eid = key
+            if lid not in e.states:
+                del self.awaiting[key]
+                continue
+            cached = e.write_cache.lookup(lid, eid)
+            if isinstance(cached, tuple) or (cached is None and e.index.location(lid, eid) is not None):
+                del self.awaiting[key]
+                n += 1
+        if n:
+            self.repaired += n
+            log.info("scrub: %d removed copies are stored again (repaired)", n)
+        return n
+
     # ------------------------------------------------------------------ synchronous API (tests, tools)
 
-    def scrub_now(self) -> PassResult:
-        """One whole pass, unthrottled, in the caller's thread (the engine must not be started)."""
+    def scrub_now(self, max_chunks: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> PassResult:
+        """One pass, unthrottled, in the caller's thread (the engine must not be started): from
+        where an interrupted pass stopped, else from the start. ``max_chunks`` stops it early, as a
+        bookie stopping mid-pass would (``complete`` False, the position saved)."""
+        self.load()
+        self.check_repaired()
         t0 = time.monotonic()
         res = PassResult()
-        start: bytes | None = b"E"
+        start = self._begin()
         found: list[Finding] = self._take_reported()
+        chunks = 0
         while start is not None:
-            start, n, nbytes, f = self.scrub_chunk(start, CHUNK_BYTES)
+            if max_chunks is not None and chunks >= max_chunks:
+                res.complete = False
+                break
+            start, n, nbytes, f = self.scrub_chunk(start, chunk_bytes)
+            chunks += 1
             res.entries += n
             res.bytes += nbytes
+            self._count(n, nbytes)
+            self.position = start
             found += f
         dropped = self.drop(found) if found else []
         self._dropped(dropped)
         res.corrupt = len(dropped)
         res.seconds = time.monotonic() - t0
-        self._pass_done(res)
+        if res.complete:
+            self._pass_done(res)
+        else:
+            self.save()
         return res
+
+    def _begin(self) -> bytes:
+        """The key the pass starts from: an interrupted pass's position, or the first entry."""
+        if self.position is None:
+            self.pass_started = time.time()
+            self.pass_entries = 0
+            self.position = b"E"
+            self.save()
+        return self.position
 
     def _count(self, n: int, nbytes: int) -> None:
         self.entries += n
+        self.pass_entries += n
         self.metrics.scrub_entries.inc(n)
         self.metrics.scrub_bytes.inc(nbytes)
 
     def _pass_done(self, res: PassResult) -> None:
         self.passes += 1
         self.last_pass_end = time.time()
+        self.last_pass_start = self.pass_started or self.last_pass_end - res.seconds
+        self.position = None
+        self.pass_started = 0.0
+        self.check_repaired()
+        self.save()
         self.metrics.scrub_passes.inc()
         self.metrics.scrub_last_pass.set(self.last_pass_end)
         self.metrics.scrub_pass_seconds.set(res.seconds)
@@ -274,22 +401,31 @@ class Scrubber:
         loop = asyncio.get_running_loop()
         rate = cfg.scrub_bytes_per_s
         chunk_bytes = max(1, min(CHUNK_BYTES, rate // 4))
+        self.load()
         t0 = time.monotonic()
         res = PassResult()
-        start: bytes | None = b"E"
+        start: bytes | None = self._begin()
         self.running = True
         try:
             while start is not None:
                 await self._handle_reported()
-                start, n, nbytes, found = await loop.run_in_executor(pool, self.scrub_chunk, start, chunk_bytes)
+                nxt, n, nbytes, found = await loop.run_in_executor(pool, self.scrub_chunk, start, chunk_bytes)
+                if found:
+                    res.corrupt += await self._drop_async(found)
+                    if self.engine._closing:  # not dropped: the next start checks this chunk again
+                        raise asyncio.CancelledError
                 res.entries += n
                 res.bytes += nbytes
                 self._count(n, nbytes)
-                if found:
-                    res.corrupt += await self._drop_async(found)
+                self.position = start = nxt  # the chunk is done (its findings handled)
+                if start is not None and time.monotonic() - self._saved_at >= self.save_every_s:
+                    self.save()
                 ahead = res.bytes / rate - (time.monotonic() - t0)
                 if ahead > 0:
                     await asyncio.sleep(ahead)  # the throttle: a rate, so a timer by design
+        except asyncio.CancelledError:
+            self.save()  # the bookie is stopping: the next start resumes from here
+            raise
         finally:
             self.running = False
         res.seconds = time.monotonic() - t0
@@ -307,9 +443,13 @@ class Scrubber:
         cfg = self.engine.config
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self.load()
         if self._reported:
             self._wake.set()
         due = time.monotonic() + cfg.scrub_first_delay_s
+        if self.position is None and self.last_pass_end > 0 and cfg.scrub_interval_s > 0:
+            # a completed pass before a restart: the next one when its interval is up
+            due = max(due, time.monotonic() + self.last_pass_end + cfg.scrub_interval_s - time.time())
         while True:
             timeout = due - time.monotonic() if cfg.scrub_interval_s > 0 else None
             if not self._now and (timeout is None or timeout > 0):

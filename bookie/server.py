@@ -123,11 +123,17 @@ class BookieService(pb_grpc.BookieServicer):
 
 
 def _scrub_info(sc) -> dict:
+    sc.check_repaired()
+    lid, eid = sc.position_ids()
     findings = [pb.ScrubFinding(ledger_id=f.ledger_id, entry_id=f.entry_id, reason=f.reason, found_by=f.found_by, at=f.at,
                                 removed=f.removed)
                 for f in list(sc.recent)]
     return dict(scrub_passes=sc.passes, scrub_entries=sc.entries, scrub_corrupt=sc.corrupt,
-                scrub_last_pass_end=sc.last_pass_end, scrub_running=sc.running, scrub_findings=findings)
+                scrub_last_pass_end=sc.last_pass_end, scrub_running=sc.running, scrub_findings=findings,
+                scrub_last_pass_start=sc.last_pass_start, scrub_pass_started=sc.pass_started,
+                scrub_pass_entries=sc.pass_entries, scrub_position_ledger=-1 if lid is None else lid,
+                scrub_position_entry=-1 if eid is None else eid, scrub_repaired=sc.repaired,
+                scrub_awaiting_repair=len(sc.awaiting))
 
 
 def bearer_token(metadata) -> str | None:

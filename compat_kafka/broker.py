@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import datetime
 import functools
@@ -163,6 +164,8 @@ def _ignore_outcome(fut: asyncio.Future) -> None:
 
 # not bound by the request quota (Kafka: ApiVersions, SASL and the brokers' own requests)
 _QUOTA_EXEMPT = frozenset({codec.API_API_VERSIONS, codec.API_WRITE_TXN_MARKERS})
+# a fetch that recorded its own quotas (Broker.fetch): its throttle time, for Broker.throttle
+_FETCH_THROTTLE_S: contextvars.ContextVar[float | None] = contextvars.ContextVar("fetch_throttle_s", default=None)
 
 
 class Broker:
@@ -247,6 +250,9 @@ class Broker:
         q = self.quotas
         if not q.quotas or req.api_key in _QUOTA_EXEMPT:
             return body, 0.0
+        fetch_throttle_s = _FETCH_THROTTLE_S.get()
+        if req.api_key == codec.API_FETCH and fetch_throttle_s is not None:  # recorded by the fetch itself
+            return body, fetch_throttle_s
         user = authorizer.principal().partition(":")[2]
         now = asyncio.get_running_loop().time()
         throttle = q.record(REQUEST, user, req.client_id, handled_s, now)
@@ -466,6 +472,7 @@ class Broker:
                                           f"{self.node_id})")
             plog = PartitionLog(self.client, topic, index, self.config.partition, writable=write)
             plog.on_append = functools.partial(self._partition_appended, plog)
+            plog.writer_lease = self.ownership.lease  # the writer's liveness key goes with the ownership
             try:
                 await plog.open()
             except BaseException:
@@ -893,9 +900,15 @@ class Broker:
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, req, resp_cls):
         loop = asyncio.get_running_loop()
+        started = loop.time()
         wait_s = min(max(req.max_wait.total_seconds(), 0.0), self.config.max_fetch_wait_ms / 1000)
         deadline = loop.time() + wait_s
         max_bytes = max(1, min(req.max_bytes, self.config.max_fetch_bytes))
+        if self.quotas.quotas:  # as Kafka: a fetch asks for no more than its quota allows in a window
+            window_bytes = self.quotas.max_in_window(FETCH, authorizer.principal().partition(":")[2],
+                                                     codec.current_client_id())
+            if window_bytes is not None:
+                max_bytes = max(1, min(max_bytes, int(window_bytes)))
         names: dict[uuid.UUID, str] | None = None  # v13+: topics named by id
         if resp_cls.__version__ >= 13:
             names = await self.topic_names({t.topic_id for t in req.topics}
@@ -919,6 +932,7 @@ class Broker:
             if not full:  # the session's partitions, at their cached offsets
                 wanted = [(tp, c.fetch_offset, c.max_bytes) for tp, c in session.partitions.items()]
         codec.effects_applied()  # the session is updated; reads change nothing
+        handled_s = loop.time() - started  # the request quota's share (the long poll excluded)
         jobs: dict[str, list[tuple[int, int, int]]] = {}
         for (topic, index), offset, part_max in wanted:
             jobs.setdefault(topic, []).append((index, offset, part_max))
@@ -946,6 +960,13 @@ class Broker:
                         await w
         if resp_cls.__version__ < 4:  # v0-3 clients read magic 0 (v0-1) / 1 (v2-3) messages only
             rows = self._down_convert(rows, {tp: off for tp, off, _max in wanted}, 0 if resp_cls.__version__ < 2 else 1)
+        throttle_s, empty = self._fetch_quotas(sum(len(p[1]) for _t, parts in rows for p in parts), handled_s)
+        throttle_ms = datetime.timedelta(milliseconds=int(throttle_s * 1000)) if throttle_s > 0 else ZERO_MS
+        if empty:  # Kafka's throttled answer: no partitions; a new session is not kept (the client opens another)
+            if session is not None and full:
+                self.fetch_sessions.drop(session.id)
+            return build(resp_cls, throttle_time=throttle_ms, error_code=ErrorCode.none,
+                         session_id=session.id if session is not None and not full else 0, responses=())
         ids = None
         if names is not None:
             ids = {name: i for i, (_at, name) in self._topic_ids.items()}
@@ -960,8 +981,29 @@ class Broker:
             for t, parts in rows:
                 for index, records, error, hw, start, lso, _aborted in parts:
                     session.must_answer((t, index), bool(records), error is not None, hw, lso, start)
-        return build(resp_cls, throttle_time=ZERO_MS, error_code=ErrorCode.none,
+        return build(resp_cls, throttle_time=throttle_ms, error_code=ErrorCode.none,
                      session_id=session.id if session is not None else 0, responses=topics)
+
+    def _fetch_quotas(self, size: int, handled_s: float) -> tuple[float, bool]:
+        """A fetch's request time and ``size`` record bytes recorded against its quotas, before it
+        is answered (Kafka's ``handleFetchRequest``): (the throttle time in seconds, whether the
+        answer must be empty). Over a quota, the answer carries no records and its bytes are taken
+        back, except a fetch over its byte rate whose entity had nothing recorded in the window
+        (one batch bigger than a window's worth: served, and the throttle holds the rate)."""
+        q = self.quotas
+        if not q.quotas:
+            return 0.0, False
+        user, client_id = authorizer.principal().partition(":")[2], codec.current_client_id()
+        now = asyncio.get_running_loop().time()
+        request_s = q.record(REQUEST, user, client_id, handled_s, now)
+        before = q.recorded(FETCH, user, client_id, now)
+        bytes_s = q.record(FETCH, user, client_id, size, now)
+        throttle = max(request_s, bytes_s)
+        _FETCH_THROTTLE_S.set(throttle)
+        if throttle <= 0 or (request_s <= 0 and before <= 0):
+            return throttle, False
+        q.unrecord(FETCH, user, client_id, size, now)
+        return throttle, True
 
     def _down_convert(self, rows, offsets: dict, magic: int):
         """Fetch v0-3: each partition's batches as messages of ``magic`` from its fetch offset on (as

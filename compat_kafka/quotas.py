@@ -23,8 +23,11 @@ long polls excluded: ``codec.effects_applied``). When the rate after recording i
 the throttle time is ``(rate - quota) / quota * window`` (Kafka's ``QuotaUtils.throttleTime``,
 not capped); the response carries it in ``throttle_time_ms`` and the server does
 not read from that connection until it has passed (Kafka >= 2.0 mutes the channel; KIP-219 clients
-also back off). Unlike Kafka, a throttled fetch still carries its data (Kafka answers it empty and
-unrecords it): the mute holds the rate, at most one answer over.
+also back off). A fetch over its fetch byte rate or request percentage is answered as Kafka's
+``handleFetchRequest`` does: no records (an empty, throttled answer; within a fetch session, the
+session's empty answer) and its bytes unrecorded; a fetch asks for no more than one window's worth
+of its fetch quota (``max_in_window``), and one whose entity had nothing recorded in the window is
+served with its data (a single first batch over a whole window would otherwise never be served).
 """
 
 from __future__ import annotations
@@ -353,6 +356,32 @@ class QuotaManager:
         self.throttled[key] += 1
         throttle = (observed - bound) / bound * rate.window(now)
         return min(throttle, MAX_THROTTLE_S)  # Kafka's is unbounded (but an int32 of ms)
+
+    def unrecord(self, key: str, user: str, client_id: str | None, value: float, now: float) -> None:
+        """Take back ``value`` recorded by ``record`` (Kafka's ``unrecordQuotaSensor``: a throttled
+        fetch is answered empty, so its bytes do not count)."""
+        got = self.resolve(key, user, client_id or "") if self.quotas else None
+        rate = self._rates.get(got[1]) if got is not None else None
+        if rate is not None:
+            rate.record(-value, now)
+
+    def recorded(self, key: str, user: str, client_id: str | None, now: float) -> float:
+        """What the rate of ``key`` binding this connection holds now (0 when unbound)."""
+        got = self.resolve(key, user, client_id or "") if self.quotas else None
+        rate = self._rates.get(got[1]) if got is not None else None
+        if rate is None:
+            return 0.0
+        rate._purge(now)
+        return sum(s[1] for s in rate.samples)
+
+    def max_in_window(self, key: str, user: str, client_id: str | None) -> float | None:
+        """The most one window may hold within the quota (Kafka's ``getMaxValueInQuotaWindow``:
+        quota x (window_num - 1) x window_size); None when unbound. A fetch asks for no more, so
+        one answer alone never goes over the quota."""
+        got = self.resolve(key, user, client_id or "") if self.quotas else None
+        if got is None:
+            return None
+        return got[0] * (self.config.window_num - 1) * self.config.window_size_s
 
 
 # ---------------------------------------------------------------- APIs 48 and 49

@@ -32,9 +32,11 @@ files that cannot be used are logged and the certificate in use stays (``fragmen
 
 Overload (``ServerConfig``). A connection over ``max_connections`` (per listener) or
 ``max_connections_per_ip`` (and its per-address overrides) is closed as soon as it is accepted,
-and counted (``stats``). A produce frame's body is read only once its bytes fit in
-``max_inflight_produce_bytes`` (all connections; released when it is answered), so a flood of
-produces waits in the clients' sockets. An answer over a client quota (``quotas.py``) carries its
+and counted (``stats``). A produce frame's body is read only once its memory fits in
+``max_inflight_produce_bytes`` (all connections): the frame counts ``PRODUCE_COPIES`` times its
+size until it is answered, and the bytes the partitions' writers still hold count against the same
+bound (``_WritersHeld``), so a flood of produces waits in the clients' sockets and the listener's
+memory stays near the bound. An answer over a client quota (``quotas.py``) carries its
 throttle time and mutes the connection: nothing more is read from it until that time has passed.
 """
 
@@ -195,7 +197,8 @@ class KafkaServer:
         # connections refused, by reason (metrics); throttled: connections muted by a quota
         self.stats = {"refused_max_connections": 0, "refused_max_connections_per_ip": 0, "throttled_responses": 0,
                       "produce_bytes_waits": 0}
-        self.produce_budget = ByteBudget(self.config.max_inflight_produce_bytes)
+        self.produce_budget = ByteBudget(self.config.max_inflight_produce_bytes,
+                                         held_elsewhere=_WritersHeld(broker).bytes)
 
     def reload_certificates(self) -> bool:
         """Re-read every TLS listener's files for new handshakes; whether all of them took the new ones."""
@@ -348,7 +351,7 @@ class KafkaServer:
                 key = await reader.readexactly(2)
                 if key == _PRODUCE_KEY and not unauthenticated and self.produce_budget.limit:
                     # a produce waits for room among the produce bytes in flight before its body is read
-                    held = self.produce_budget.clamp(size)
+                    held = self.produce_budget.clamp(size * PRODUCE_COPIES)
                     if not self.produce_budget.try_acquire(held):
                         self.stats["produce_bytes_waits"] += 1
                         await self.produce_budget.acquire(held)
@@ -364,6 +367,8 @@ class KafkaServer:
                     raise
                 await requests.put(_done(codec.unsupported_api_versions_response(exc.correlation_id)))
                 continue
+            finally:
+                del data  # the decoded request holds its own copy: the frame is not kept while the next one is read
             if (auth.expires_at is not None and asyncio.get_running_loop().time() >= auth.expires_at
                     and req.api_key not in (codec.API_SASL_HANDSHAKE, codec.API_SASL_AUTHENTICATE)):
                 raise ProtocolError(f"api key {req.api_key} after the SASL session of {auth.principal} expired "
@@ -378,6 +383,7 @@ class KafkaServer:
                 raise ProtocolError(f"api key {req.api_key} before SASL authentication")
             self.broker.prepare(req)  # e.g. start opening a produce's partitions (no effect a client sees)
             await requests.put((req, held))
+            del req  # not kept past its answer while the next frame is awaited
 
     async def _sasl(self, listener: ListenerConfig, req: codec.Request, auth: codec.ConnectionAuth, session: list,
                     peer) -> tuple[Any, bool]:
@@ -439,6 +445,7 @@ class KafkaServer:
                     continue
                 applied = loop.create_future()
                 await queue.put(asyncio.create_task(self._respond(*item, applied, conn)))
+                item = None  # the request is its task's alone (freed once answered)
                 await applied
         finally:
             with contextlib.suppress(asyncio.QueueFull):
@@ -488,6 +495,39 @@ class KafkaServer:
 
 
 _PRODUCE_KEY = struct.pack(">h", codec.API_PRODUCE)
+# what a produce frame of n bytes takes in the listener until it is answered: the frame as read
+# (the reader's buffer, then its bytes), its decoded records, the partition producer's copy of each
+# batch, the bookie connections' send buffers (the entries the writers keep are counted by
+# _WritersHeld). Measured with tracemalloc under a flood (docs/benchmarks.md, "Quotas and overload").
+PRODUCE_COPIES = 4
+_HELD_RECHECK_S = 0.01
+_HELD_ESCAPE_S = 1.0
+
+
+class _WritersHeld:
+    """Produce bytes the partitions still hold after (or before) a produce is answered: batches
+    queued for their writers and entries not yet on every bookie of the write quorum (a writer
+    keeps an entry until then, to resend it). Summed over the open partitions at most every
+    ``_HELD_RECHECK_S``."""
+
+    def __init__(self, broker):
+        self.broker = broker
+        self._at = -1.0
+        self._value = 0
+
+    def bytes(self) -> int:
+        now = asyncio.get_running_loop().time()
+        if now - self._at >= _HELD_RECHECK_S:
+            total = 0
+            for plog in list(getattr(self.broker, "_logs", {}).values()):
+                producer = getattr(plog, "producer", None)
+                if producer is None:
+                    continue
+                total += getattr(producer, "_ready_bytes", 0)
+                writer = getattr(getattr(producer, "_driver", None), "writer", None)
+                total += getattr(writer, "inflight_bytes", 0)
+            self._at, self._value = now, total
+        return self._value
 
 
 class _Conn:
@@ -506,28 +546,47 @@ class _Conn:
 
 class ByteBudget:
     """Bytes shared by every connection, handed out first come first served (a waiter blocks the
-    ones after it, so a large request is not starved by small ones). 0: unlimited."""
+    ones after it, so a large request is not starved by small ones). 0: unlimited.
+    ``held_elsewhere``: bytes outside this budget that count against the same limit (the writers'
+    entries, which shrink as bookies acknowledge: waiters check again every ``_HELD_RECHECK_S``).
+    The first waiter is let in over it when nothing of the budget has been in use for
+    ``_HELD_ESCAPE_S`` (writers stuck on a bookie must not stop every produce for good)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, held_elsewhere=None):
         self.limit = limit
         self.used = 0
-        self.peak = 0
+        self.peak = 0  # of used
+        self.peak_total = 0  # of used + held elsewhere, when a request was let in
+        self._held_elsewhere = held_elsewhere
+        self._poller: asyncio.Task | None = None
         self._waiters: collections.deque = collections.deque()
+
+    def _fits(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        return self._held_elsewhere is None or self.used + n + self._held_elsewhere() <= self.limit
+
+    def _take(self, n: int) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        if self._held_elsewhere is not None:
+            self.peak_total = max(self.peak_total, self.used + self._held_elsewhere())
 
     def clamp(self, n: int) -> int:
         return min(n, self.limit)  # a frame over the whole budget waits for all of it
 
     def try_acquire(self, n: int) -> bool:
-        if self._waiters or self.used + n > self.limit:
+        if self._waiters or not self._fits(n):
             return False
-        self.used += n
-        self.peak = max(self.peak, self.used)
+        self._take(n)
         return True
 
     async def acquire(self, n: int) -> None:
         fut = asyncio.get_running_loop().create_future()
         entry = [n, fut]
         self._waiters.append(entry)
+        if self._held_elsewhere is not None and self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll(), name="produce-budget")
         try:
             await fut
         except BaseException:
@@ -539,17 +598,39 @@ class ByteBudget:
                 self._wake()
             raise
 
+    async def _poll(self) -> None:
+        """While requests wait: what the writers hold shrinks as bookies acknowledge, and no
+        release wakes the waiters for that, so check again every ``_HELD_RECHECK_S``; let the first
+        one in when nothing of the budget has been in use for ``_HELD_ESCAPE_S``."""
+        loop = asyncio.get_running_loop()
+        idle_since = None
+        try:
+            while self._waiters:
+                await asyncio.sleep(_HELD_RECHECK_S)
+                self._wake()
+                if not self._waiters or self.used:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = loop.time()
+                elif loop.time() - idle_since >= _HELD_ESCAPE_S:
+                    n, fut = self._waiters.popleft()
+                    if not fut.done():
+                        self._take(n)
+                        fut.set_result(None)
+                    idle_since = None
+        finally:
+            self._poller = None
+
     def release(self, n: int) -> None:
         self.used -= n
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self.used + self._waiters[0][0] <= self.limit:
+        while self._waiters and (self._waiters[0][1].done() or self._fits(self._waiters[0][0])):
             n, fut = self._waiters.popleft()
             if fut.done():
                 continue
-            self.used += n
-            self.peak = max(self.peak, self.used)
+            self._take(n)
             fut.set_result(None)
 
 

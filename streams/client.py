@@ -395,10 +395,12 @@ class ScrollClient:
 
     # ---------------------------------------------------------------- producers and consumers
     async def producer(self, stream: str, options: ProducerOptions | None = None, *,
-                       partition: int | None = None) -> Producer | TopicProducer:
+                       partition: int | None = None, writer_lease=None) -> Producer | TopicProducer:
         """The stream's one writer (a take-over). For a topic of several partitions, a
         ``TopicProducer`` over all of them, partitioning by key as Kafka's default partitioner;
-        ``partition``: the writer of that one partition of the topic ``stream``."""
+        ``partition``: the writer of that one partition of the topic ``stream``. While open it
+        holds the stream's writer key (``streams.producer``: liveness) under ``writer_lease``, or
+        under a lease this client keeps for its producers."""
         if partition is not None:
             stream = partition_stream(stream, partition)
         elif ":" not in stream:
@@ -430,7 +432,13 @@ class ScrollClient:
         except BaseException:
             await driver.close()
             raise
-        return Producer(driver, self.cluster.max_entry_bytes, next_offset, options, reader=reader)
+        p = Producer(driver, self.cluster.max_entry_bytes, next_offset, options, reader=reader)
+        try:
+            await p.start_liveness(writer_lease)
+        except BaseException:
+            await p.close()
+            raise
+        return p
 
     async def consumer(self, stream: str, start=EARLIEST, *, partition: int | None = None, **options) -> Consumer:
         """A consumer of one stream (``partition``: of that partition of the topic ``stream``),

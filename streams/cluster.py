@@ -122,6 +122,9 @@ class Cluster:
             pass
 
     async def close(self) -> None:
+        live = getattr(self, "_writer_liveness", None)  # producers' writer lease and registry watch
+        if live is not None:
+            await live.stop()
         for c in self._clients.values():
             await c.close()
         self._clients.clear()

@@ -411,6 +411,27 @@ class WriterDriver:
         if not t.cancelled() and t.exception() is not None:
             log.error("stream=%s driver task failed", self.name, exc_info=t.exception())
 
+    def bookie_left(self, bookie: str) -> None:
+        """``bookie`` left the registry (its lease expired, or it stopped; the caller refreshed the
+        cluster's view of the live bookies, once for all writers): if it is a member of the open
+        fragment, replace it now, as a failed write would, even when no append is coming (an idle
+        writer otherwise never notices, and its open fragment would stay on a lost bookie). The
+        written prefix becomes a sealed fragment that autorecovery re-replicates."""
+        w = self.writer
+        if w is None or w.phase is not Phase.OPEN or self._stopped or self.failure is not None:
+            return
+        if bookie not in w.fragment.ensemble or bookie in w.failed:
+            return
+        log.info("stream=%s ledger=%s term=%s: bookie %s of the open ensemble left the registry; replacing it",
+                 self.name, w.ledger.ledger_id, w.term, bookie)
+        self._placed_at = self._now()
+        self._update_placement(w)
+        w.advance_clock(self._now())
+        # as the answer to a send made now (a bookie that joined by an ensemble change ignores
+        # answers to sends older than its joining)
+        ev = WriteFailed(bookie, w.ledger.ledger_id, w.lac + 1, w.term, "left the bookie registry")
+        self._execute(w.handle_add_answer(ev, w.next_send_id))
+
     # ---------------------------------------------------------------- time
     @property
     def timer_armed(self) -> bool:

@@ -20,21 +20,51 @@ Sealed batches wait in order for the writer's in-flight space; ``buffer_bytes`` 
 (appends then wait for space). Each batch has one future, resolved to its base offset when the
 writer acknowledges the entry; a record's offset is base + its index. If the writer is taken over
 (``StaleTermError``) or withdraws, every unacknowledged batch fails with that error.
+
+Liveness (``_Liveness``, one per client). An open producer holds its stream's **writer key**
+``/scroll/writers/<ledger id>`` -> ``{"term", ...}`` under a lease: the client's own (granted with
+the first producer, kept alive by one task, revoked when the last producer closes) or one it is
+given (``writer_lease``: the Kafka listener hands over its partition-ownership lease, so no other
+lease is kept). The key says "the writer of this term is alive": autorecovery leaves the open
+fragment of such a stream to its writer and takes over only a stream whose key is gone (the
+process died, its lease expired) or names an older term. In turn a live writer must replace a lost
+bookie even when idle: the client keeps **one watch** on the bookie registry while it has
+producers, and when a bookie leaves it every open writer whose current ensemble names it makes an
+ensemble change (``WriterDriver.bookie_left``): the written prefix becomes a sealed fragment
+(autorecovery re-replicates it) and the open fragment moves to a live bookie. No timer per stream,
+no listing while nothing changes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import json
+import logging
+import os
+import socket
 import struct
 import time
 from dataclasses import dataclass
+
+from fragments.ledgers import BOOKIES, ROOT
+from fragments.store import MetadataError
 
 from .batches import COMPRESSION, OFF_LAST_DELTA, BatchBuilder, check_batch, normalise_headers, set_base_offset
 from .driver import ProducerOptions, WriterDriver
 from .errors import KeyRequired, PayloadTooLarge
 
+log = logging.getLogger(__name__)
+
 _I32 = struct.Struct(">i")
+WRITERS = f"{ROOT}/writers/"  # <ledger id> -> {"term", "host", "pid", "since"} under the writer's lease
+WRITER_LEASE_TTL_S = 10.0  # the client's own writer lease: a dead writer's key is gone this long after
+
+
+def writer_key(ledger_id: int) -> str:
+    return f"{WRITERS}{ledger_id}"
+
 _BATCH_OVERHEAD = 256  # batch header + one record's varints, with margin
 
 
@@ -75,6 +105,9 @@ class Producer:
         self._idle_scheduled = False
         self._failure: BaseException | None = None
         self._space = asyncio.Event()
+        self._liveness: _Liveness | None = None
+        self._writer_key_version: int | None = None
+        self._writer_lease_given = False
         driver.on_space.append(self._pump)
         # a compacted stream refuses records without a key (its policy as of the take-over; a
         # change of cleanup_policy applies to producers opened after it)
@@ -237,7 +270,22 @@ class Producer:
         try:
             await self.flush()
         finally:
-            await self._driver.close(seal=seal)
+            try:
+                await self._driver.close(seal=seal)
+            finally:
+                await self.stop_liveness()
+
+    async def start_liveness(self, lease=None) -> None:
+        """Hold the stream's writer key (under ``lease``, else the client's writer lease) and have
+        this writer told when a bookie of its ensemble leaves the registry (``_Liveness``)."""
+        live = _Liveness.of(self._driver.cluster)
+        await live.join(self, lease)
+        self._liveness = live
+
+    async def stop_liveness(self) -> None:
+        live, self._liveness = getattr(self, "_liveness", None), None
+        if live is not None:
+            await live.leave(self)
 
     async def __aenter__(self) -> Producer:
         return self
@@ -400,3 +448,122 @@ def _note(parts: list, fut: asyncio.Future, first: int, n: int) -> None:
         parts[-1] = (f, start, m + n)
     else:
         parts.append((fut, first, n))
+
+
+class _Liveness:
+    """One per client (kept on its ``Cluster``) while it has open producers: the lease their
+    writer keys live under (unless a producer was given one) and one watch on the bookie registry.
+    See the module docstring."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.store = cluster.store
+        self.producers: set[Producer] = set()
+        self._lease = None
+        self._lease_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    def of(cls, cluster) -> _Liveness:
+        live = getattr(cluster, "_writer_liveness", None)
+        if live is None:
+            live = cluster._writer_liveness = cls(cluster)
+        return live
+
+    async def join(self, p: Producer, lease=None) -> None:
+        given = lease is not None and lease is not self._lease
+        if lease is None:
+            lease = await self._own_lease()
+        w = p._driver.writer
+        value = json.dumps({"term": w.term, "stream": p._driver.name, "host": socket.gethostname(), "pid": os.getpid(),
+                            "since": time.time()}).encode()
+        p._writer_key_version = await self.store.put(writer_key(p.stream_id), value, lease=lease)
+        p._writer_lease_given = given
+        self.producers.add(p)
+        if not any(t.get_name() == "writer-registry-watch" and not t.done() for t in self._tasks):
+            self._tasks.append(asyncio.get_running_loop().create_task(self._watch(), name="writer-registry-watch"))
+
+    async def leave(self, p: Producer) -> None:
+        if p not in self.producers:
+            return
+        self.producers.discard(p)
+        if p._writer_key_version is not None:  # a newer writer's key (a take-over) is not ours to delete
+            with contextlib.suppress(MetadataError, Exception):
+                await self.store.delete(writer_key(p.stream_id), expected_version=p._writer_key_version)
+        if not self.producers:
+            await self.stop()
+
+    async def stop(self) -> None:
+        """No producer left (or the client closes): end the watch, revoke our lease."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            with contextlib.suppress(MetadataError, Exception):
+                await lease.revoke()
+
+    async def _own_lease(self):
+        async with self._lease_lock:
+            if self._lease is None:
+                self._lease = await self.store.grant_lease(WRITER_LEASE_TTL_S)
+                self._tasks.append(asyncio.get_running_loop().create_task(self._keepalive(), name="writer-lease"))
+            return self._lease
+
+    async def _keepalive(self) -> None:
+        from fragments.memstore import LeaseExpired
+
+        while True:
+            lease = self._lease
+            await asyncio.sleep(lease.ttl_s / 3)
+            try:
+                await lease.refresh()
+            except LeaseExpired:
+                # this process was stalled past the TTL: its writer keys are gone (autorecovery may
+                # take those streams over; the writers then learn it as StaleTermError). Keys of
+                # writers still open are put again under a new lease.
+                log.warning("the writer lease expired: writer keys are put again under a new one")
+                self._lease = await self.store.grant_lease(WRITER_LEASE_TTL_S)
+                for p in list(self.producers):
+                    if not p._writer_lease_given and p._driver.writer.engaged and p._failure is None:
+                        with contextlib.suppress(MetadataError):
+                            await self.join(p, self._lease)
+            except MetadataError as exc:
+                log.warning("keeping the writer lease alive failed: %s", exc)
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                watch = self.store.watch_prefix(BOOKIES)
+                try:
+                    async for ev in watch:
+                        if ev.value is None:
+                            self._bookie_left(ev.key[len(BOOKIES):])
+                finally:
+                    await watch.aclose()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the store may be down for a while: watch again
+                log.debug("watch on the bookie registry: %r", exc)
+            await asyncio.sleep(1.0)
+
+    def _bookie_left(self, bookie: str) -> None:
+        if any(bookie in p._driver.writer.fragment.ensemble for p in self.producers if p._failure is None):
+            self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(asyncio.get_running_loop().create_task(self._tell(bookie), name="writer-bookie-left"))
+
+    async def _tell(self, bookie: str) -> None:
+        """One refresh of the live bookies for every writer (they place the replacement from it),
+        then each writer whose open ensemble names ``bookie`` replaces it."""
+        try:
+            await self.cluster.refresh_bookies()
+        except Exception as exc:  # noqa: BLE001 - place from the view we have
+            log.debug("refreshing the live bookies failed: %r", exc)
+        if bookie in {r.bookie_id for r in self.cluster.live()}:
+            return  # registered again meanwhile (a restart): nothing to replace
+        for p in list(self.producers):
+            if p._failure is None:
+                p._driver.bookie_left(bookie)

@@ -108,7 +108,8 @@ class OverloadCollector:
         waits = CounterMetricFamily("scroll_kafka_produce_bytes_waits",
                                     "Produce requests that waited for room in --max-inflight-produce-bytes")
         waits.add_metric([], st["produce_bytes_waits"])
-        inflight = GaugeMetricFamily("scroll_kafka_inflight_produce_bytes", "Produce request bytes read, not answered")
+        inflight = GaugeMetricFamily("scroll_kafka_inflight_produce_bytes",
+                                     "Memory counted for produce requests read, not answered (4x their bytes)")
         inflight.add_metric([], self.server.produce_budget.used)
         return [refused, throttled, waits, inflight]
 

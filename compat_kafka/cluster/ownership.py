@@ -208,6 +208,11 @@ class Ownership:
         self.on_lost(lost)
 
     @property
+    def lease(self) -> Lease | None:
+        """The lease our keys live under (None unless started)."""
+        return self._lease if self.started else None
+
+    @property
     def valid(self) -> bool:
         return time.monotonic() < self._valid_until
 

@@ -130,6 +130,11 @@ class FetchSessionCache:
         self._sessions.move_to_end(s.id)
         return s, False
 
+    def drop(self, session_id: int) -> None:
+        """Forget a session (a new one whose first answer was throttled: the client opens another,
+        as after Kafka's throttled full answer, session id 0)."""
+        self._sessions.pop(session_id, None)
+
     def _make_room(self, now: float) -> bool:
         if len(self._sessions) < self.max_sessions:
             return True

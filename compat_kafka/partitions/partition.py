@@ -122,6 +122,7 @@ class PartitionLog:
         self.config = config
         self.on_append = on_append
         self.producer: Producer | None = None
+        self.writer_lease = None  # the ownership lease: the writer's liveness key lives under it (streams.producer)
         self.reader: Consumer | None = None
         self.high_watermark = 0
         self.log_start = 0
@@ -161,7 +162,8 @@ class PartitionLog:
                      self.partition, self.stream, self._last_entry, self.log_start, self.high_watermark)
             return
         # the one writer of this partition's stream (a take-over; it recovers the next offset)
-        self.producer = await self.client.producer(self.topic, LISTENER_PRODUCER, partition=self.partition)
+        self.producer = await self.client.producer(self.topic, LISTENER_PRODUCER, partition=self.partition,
+                                                   writer_lease=self.writer_lease)
         self.reader = self.producer.reader  # the consumer it learnt its next offset with (fragments read once)
         if self.reader is None:
             self.reader = Consumer(self.client.cluster, self.producer.meta)

@@ -31,15 +31,18 @@ to keep the racks spread, and the fragment record is changed by a CAS that compa
 and ledger records' versions. A bookie that comes back mid-repair therefore causes neither a double
 nor a lost write: either the CAS commits the replacement (the returned bookie's copies are then
 unreferenced garbage) or the record moved and the item is looked at again; an item whose bookies
-are all back with every copy is simply done. **Open** (the stream's last fragment): a live writer
-replaces a failed bookie itself (an ensemble change on its next write), but an idle or dead writer
-never does, and there is no reliable liveness signal for writers in general (only Kafka partitions
-have ownership leases). So BookKeeper's rule applies: once ``open_ledger_grace_s`` has passed since
-the bookie was lost and the open fragment still names a bookie that is not registered, the worker
-takes the stream over (``admin.force_recovery``: a new term, recovery, the writer's ensemble change
-replaces the missing bookie) and the part written before is then a sealed fragment, repaired as
-above. A live producer of that stream gets ``StaleTermError`` and reopens (a Kafka listener does
-this by itself).
+are all back with every copy is simply done. **Open** (the stream's last fragment): an open
+fragment whose writer is alive is the writer's. A live writer holds the stream's writer key
+(``streams.producer``: ``/scroll/writers/<ledger>`` with its term, under a lease: its client's, or
+a Kafka listener's ownership lease) and watches the bookie registry, so it replaces a lost bookie
+of its open ensemble itself, even when idle (an ensemble change: the written prefix becomes a
+sealed fragment, repaired as above). Such an item just waits (re-checked every ``retry_s``). Only
+when the key is gone (the writer's process died or stalled past its lease, or it closed) or names
+an older term does BookKeeper's rule apply: once ``open_ledger_grace_s`` has passed since the
+bookie was lost and the open fragment still names a bookie that is not registered, the worker
+takes the stream over (``admin.force_recovery``: a new term, recovery, the writer's ensemble
+change replaces the missing bookie) and the part written before is then a sealed fragment,
+repaired as above.
 
 Throttling: ``max_bytes_per_s`` (a token bucket in front of every batch of copies) and
 ``max_fragments_in_flight`` (fragments repaired at once by one worker). An item whose repair fails
@@ -69,6 +72,7 @@ from fragments.store import MetadataError
 from fragments.tier import remote_only
 
 from ..errors import ScrollError
+from ..producer import writer_key
 from . import admin
 
 log = logging.getLogger("scroll.autorecovery")
@@ -131,6 +135,8 @@ class AutoRecovery:
         self.repaired = 0
         self.bytes_copied = 0
         self.takeovers = 0
+        self.deferred = 0  # looks at an open fragment left to its live writer
+        self._deferred: set[str] = set()
         self.before_commit = before_commit  # test hook: awaited between the copies and the record's CAS
         self._lease = None
         self._bucket = _Bucket(self.config.max_bytes_per_s)
@@ -437,6 +443,13 @@ class AutoRecovery:
         if not f.sealed:
             if all(b in live for b in f.ensemble):
                 return await self._done(key, v), None  # the writer replaced it, or it came back
+            if await self._writer_alive(meta):
+                if key not in self._deferred:
+                    self._deferred.add(key)
+                    log.info("%s: stream %r: open fragment %d names a lost bookie; its writer is alive and "
+                             "replaces it (no take-over)", self.id, meta.name, f.index)
+                self.deferred += 1
+                return "wait", self.config.retry_s  # the live writer's to replace (its ensemble change)
             wait = item["since"] + self.config.open_ledger_grace_s - time.time()
             if wait > 0:
                 return "wait", wait
@@ -488,6 +501,16 @@ class AutoRecovery:
         log.info("%s: stream %r fragment %d: %s, %d entries copied", self.id, meta.name, f.index, rep.action,
                  rep.copied)
         return await self._done(key, v), None
+
+    async def _writer_alive(self, meta) -> bool:
+        """Whether the stream's current writer holds its writer key (its lease is alive)."""
+        got = await self.store.get(writer_key(meta.ledger_id))
+        if got is None:
+            return False
+        try:
+            return int(json.loads(got.value).get("term", -1)) == meta.term
+        except (ValueError, TypeError, AttributeError):
+            return False
 
     def _account(self, n: int) -> None:
         self.bytes_copied += n

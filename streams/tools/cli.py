@@ -1350,10 +1350,11 @@ def _bookie_group() -> click.Group:
     group = click.Group(
         "bookie", params=params, callback=run, invoke_without_command=True,
         help="Run one bookie (storage server): scroll bookie --data-dir D --port P ...\n\n"
-             "Or manage bookies: scroll bookie decommission BOOKIE_ID.",
-        short_help="Run a bookie, or decommission one.",
+             "Or manage bookies: scroll bookie decommission BOOKIE_ID; scroll bookie scrub --all --wait.",
+        short_help="Run a bookie, decommission one, or scrub.",
     )
     group.add_command(decommission, "decommission")
+    group.add_command(bookie_scrub, "scrub")
     return group
 
 
@@ -1389,6 +1390,75 @@ def decommission(bookie_id, no_takeover, metadata, as_json):
             click.echo(f"took over {r['stream']!r}: term {r['previous_term']} -> {r['term']}")
         click.echo(f"{bookie_id}: " + ("no fragment names it any more" if d["done"] else "NOT done (see above)"))
     if not d["done"]:
+        sys.exit(1)
+
+
+@click.command("scrub")
+@click.option("--bookie", "bookie_ids", multiple=True, metavar="BOOKIE_ID",
+              help="This bookie (its id, as `scroll bookies` shows it); repeatable.")
+@click.option("--all", "all_bookies", is_flag=True, help="Every live bookie.")
+@click.option("--status", "status_only", is_flag=True,
+              help="Only show each bookie's scrub status (every live bookie unless --bookie); start nothing.")
+@click.option("--wait", is_flag=True, help="Wait until the pass each bookie runs has ended.")
+@click.option("--repair", is_flag=True,
+              help="Then copy the bad copies found back from good replicas (check --fix on their streams).")
+@click.option("--timeout", "timeout_s", default=3600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds --wait waits for the passes.")
+@metadata_option
+@json_option
+def bookie_scrub(bookie_ids, all_bookies, status_only, wait, repair, timeout_s, metadata, as_json):
+    """Start a scrub pass on bookies (each reads its stored entries back and verifies them; a bad
+    copy is removed, not served) and show their scrub status. Exit 1 when a bad copy found is not
+    repaired yet.
+
+    \b
+    Examples:
+      scroll bookie scrub --all --wait --repair
+      scroll bookie scrub --bookie bookie-0
+      scroll bookie scrub --status --json
+    """
+    if not (bookie_ids or all_bookies or status_only):
+        raise click.UsageError("say which bookies: --bookie BOOKIE_ID (repeatable) or --all (or --status)")
+    if bookie_ids and all_bookies:
+        raise click.UsageError("--bookie and --all exclude each other")
+    from .bookiescrub import scrub_bookies
+
+    d = _arun(metadata, lambda c: scrub_bookies(c, list(bookie_ids) or None, start=not status_only,
+                                                wait=wait, repair=repair, timeout_s=timeout_s))
+    if as_json:
+        click.echo(json.dumps(d))
+    else:
+        from rich.table import Table
+
+        def when(t):
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+        t = Table("bookie", "started", "running", "passes", "last pass (start .. end)", "pass under way",
+                  "entries checked", "bad copies", "repaired", "awaiting repair", title="scrub")
+        for b in d["bookies"]:
+            if "error" in b:
+                t.add_row(b["bookie"], *["-"] * 9, style="red")
+                continue
+            under = "-"
+            if b["pass_started"]:
+                pos = b["position"]
+                under = f"since {when(b['pass_started'])}, {b['pass_entries']} entries" + (
+                    f", at ledger {pos[0]} entry {pos[1]}" if pos else "")
+            t.add_row(b["bookie"], "yes" if b["started"] else "no", "yes" if b["running"] else "no", str(b["passes"]),
+                      f"{when(b['last_pass_start'])} .. {when(b['last_pass_end'])}", under, str(b["entries"]),
+                      str(b["corrupt"]), str(b["repaired"]), str(b["awaiting_repair"]),
+                      style="red" if b["awaiting_repair"] else None)
+        _console().print(t)
+        for b in d["bookies"]:
+            if "error" in b:
+                click.echo(f"{b['bookie']}: no answer: {b['error']}")
+            for f in b.get("findings", ()):
+                click.echo(f"{b['bookie']}: bad copy ledger={f['ledger']} entry={f['entry']} ({f['found_by']}, "
+                           f"{when(f['at'])}): {f['reason']}" + ("" if f["removed"] else " [kept: above the LAC]"))
+        for r in d["repairs"]:
+            click.echo(f"repaired {r['stream']!r} fragment {r['fragment']}: {r['copied']} entries copied"
+                       + (f" ERROR {r['error']}" if r["error"] else ""))
+    if not d["ok"]:
         sys.exit(1)
 
 

@@ -165,3 +165,69 @@ def test_a_read_of_a_started_engine_has_the_copy_dropped_without_waiting_for_a_p
         await e.aclose()
 
     run(scenario())
+
+
+def test_a_pass_cut_short_resumes_after_a_restart_and_the_counters_persist(make_engine) -> None:
+    e = written(make_engine)
+    total = e.scrub().entries  # a first whole pass: the counters start
+    flip(e.config.data_dir, payload(30))
+    part = e.scrubber.scrub_now(max_chunks=2, chunk_bytes=2000)  # the bookie stops mid-pass
+    assert not part.complete and 0 < part.entries < 29 and part.corrupt == 0
+    pos = e.scrubber.position_ids()
+    assert pos[0] == 7 and pos[1] > 1 and e.scrubber.pass_started > 0
+    e.close()
+
+    e = make_engine()  # restarted: the pass resumes where it stopped, not from the first entry
+    sc = e.scrubber
+    sc.load()
+    assert sc.position_ids() == pos and (sc.passes, sc.entries) == (1, total + part.entries)
+    rest = e.scrub()
+    assert rest.complete and rest.entries == total - part.entries and rest.corrupt == 1
+    assert (sc.passes, sc.entries, sc.corrupt, sc.repaired) == (2, 2 * total, 1, 0)
+    assert sc.position is None and 0 < sc.last_pass_start <= sc.last_pass_end and list(sc.awaiting) == [(7, 30)]
+    # a good copy written back (what `check --fix` does) counts as repaired, once
+    add(e, 7, [30], data=payload, recovery=True, lac=40)
+    assert sc.check_repaired() == 1 and sc.check_repaired() == 0 and not sc.awaiting
+    e.checkpoint()
+    sc.save()
+    e.close()
+
+    e = make_engine()
+    e.scrubber.load()
+    assert (e.scrubber.passes, e.scrubber.corrupt, e.scrubber.repaired, e.scrubber.position) == (2, 1, 1, None)
+    assert e.scrub().entries == total  # the next pass is a whole one again
+
+
+def test_a_bookie_stopped_mid_pass_resumes_that_pass_when_started_again(make_engine) -> None:
+    e = written(make_engine, n=60)
+    total = len(e.index.locations_from(b"E", 10_000)[0])  # no pass yet: the first is due at start
+    e.close()
+    # ~260 B a record at 2 KiB/s: a pass takes seconds, and chunks of 512 B hold about 2 records
+    e = make_engine(scrub_interval_s=3600, scrub_first_delay_s=0, scrub_bytes_per_s=2048)
+    e.scrubber.save_every_s = 0
+
+    async def stop_mid_pass():
+        await e.start()
+        deadline = time.monotonic() + 30
+        while not (e.scrubber.running and e.scrubber.pass_entries >= 6):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)  # polling a condition
+        await e.aclose()  # the scrub task is cancelled: its position is saved
+
+    run(stop_mid_pass())
+    done = e.scrubber.pass_entries
+    assert 6 <= done < total and e.scrubber.passes == 0 and e.scrubber.position is not None
+    e = make_engine(scrub_interval_s=3600, scrub_first_delay_s=0)
+    sc = e.scrubber
+
+    async def resumed():
+        await e.start()
+        deadline = time.monotonic() + 30
+        while sc.passes < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)  # polling a condition
+        await e.aclose()
+
+    run(resumed())
+    # the resumed pass checked only what was left; the totals count the whole pass once
+    assert sc.entries == total and sc.position is None and sc.last_pass_start < sc.last_pass_end

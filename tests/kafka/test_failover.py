@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from compat_kafka.partitions.partition import PartitionConfig, PartitionLog
 from compat_kafka.wire.batches import split_batches
 from compat_kafka.wire.errors import code_for
 from streams.client import connect
+from streams.producer import writer_key
 from streams.tools.localcluster import LocalCluster, free_port
 from tests.kafka.shimproc import RawConnection, ShimProcess, record_batch
 
@@ -175,7 +177,18 @@ def _produce_request(topic: str, partition: int, value: bytes) -> ProduceRequest
                               PartitionProduceData(index=partition, records=record_batch([value])),)),))
 
 
-def test_sigstopped_owner_cannot_append_after_its_partition_moved(shims):
+async def _writer_key(url: str, stream: str) -> dict | None:
+    """The stream's writer key (streams.producer: its writer's liveness), or None."""
+    c = await connect(url)
+    try:
+        meta, _ = await c.cluster.ledgers.get_ledger(stream)
+        got = await c.cluster.store.get(writer_key(meta.ledger_id))
+        return json.loads(got.value) if got is not None else None
+    finally:
+        await c.close()
+
+
+def test_sigstopped_owner_cannot_append_after_its_partition_moved(cluster, shims):
     live = [s for s in shims if s.alive]
     assert len(live) >= 2
     topic = "zombie"
@@ -186,6 +199,7 @@ def test_sigstopped_owner_cannot_append_after_its_partition_moved(shims):
     _, leaders = metadata(live[0].bootstrap, topic)
     owner = by_node(live)[leaders[0]]
     other = next(s for s in live if s is not owner)
+    assert asyncio.run(_writer_key(cluster.metadata_url, topic))["pid"] == owner.popen.pid
 
     conn = RawConnection(owner.port, timeout_s=30)
     owner.signal(signal.SIGSTOP)
@@ -194,6 +208,8 @@ def test_sigstopped_owner_cannot_append_after_its_partition_moved(shims):
         while owner.port in metadata(other.bootstrap, topic)[0].values():  # its lease runs out
             assert time.monotonic() < deadline
             time.sleep(0.3)
+        # the writer key lived under the ownership lease (no lease of its own): gone with it
+        assert asyncio.run(_writer_key(cluster.metadata_url, topic)) is None
         q = Producer({"bootstrap.servers": other.bootstrap, "acks": "all"})
         q.produce(topic, value=b"after", partition=0)  # the survivor claims it: a take-over, a new term
         assert q.flush(30) == 0

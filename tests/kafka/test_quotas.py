@@ -5,7 +5,10 @@ unbound one (confluent-kafka, its throttle callback); the per-address connection
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -324,3 +327,207 @@ def test_inflight_produce_bytes_budget_is_first_come_first_served():
         assert b.used == 0
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------- fetch quota (Kafka's throttled fetch)
+FETCH_QUOTA = 200_000  # bytes/s: qshim's window (10 x 0.2 s) lets 400 KB through at once
+FETCH_RECORDS = 1000  # of ~1 KB: ~1 MB to read, ~3 s at the quota
+
+
+@pytest.fixture(scope="module")
+def fetch_topic(qshim):
+    """A one-partition topic of FETCH_RECORDS numbered ~1 KB records, and consumer_byte_rate set for
+    the client ids starting ``fq-``."""
+    topic = "fetch-quota"
+    cids = ["fq-raw-4", "fq-raw-12", "fq-kafka-python"]
+    with connect(qshim.port) as s:
+        resp = call(s, alter_req(1, [([("client-id", c)], [("consumer_byte_rate", FETCH_QUOTA)]) for c in cids]))
+        assert [e.error_code for e in resp.entries] == [ErrorCode.none] * len(cids)
+    p = Producer({"bootstrap.servers": qshim.bootstrap, "acks": "all", "linger.ms": 5, "batch.size": 16_000})
+    for i in range(FETCH_RECORDS):
+        p.produce(topic, b"%06d" % i + b"v" * 994)
+    assert p.flush(60) == 0
+    yield topic
+    with connect(qshim.port) as s:
+        call(s, alter_req(1, [([("client-id", c)], [("consumer_byte_rate", None)]) for c in cids]))
+
+
+def fetch_req(version: int, topic: str, offset: int, session_id: int = 0, epoch: int = -1, named: bool = True):
+    cls = codec.request_schema(codec.API_FETCH, version)
+    tc, pc = codec.nested(cls, "FetchTopic"), codec.nested(cls, "FetchPartition")
+    parts = (codec.build(pc, partition=0, current_leader_epoch=-1, fetch_offset=offset, last_fetched_epoch=-1,
+                         log_start_offset=-1, partition_max_bytes=64_000),) if named else ()
+    return codec.build(cls, replica_id=-1, max_wait=datetime.timedelta(milliseconds=100), min_bytes=1,
+                       max_bytes=10 << 20, isolation_level=0, session_id=session_id, session_epoch=epoch, rack_id="",
+                       topics=(codec.build(tc, topic=topic, partitions=parts),) if named else (),
+                       forgotten_topics_data=())
+
+
+def batches_of(records: bytes) -> list[tuple[int, int]]:
+    """(base offset, offset count) of each record batch in a fetch answer's records."""
+    out, pos = [], 0
+    while pos + 12 <= len(records):
+        base, length = struct.unpack_from(">qi", records, pos)
+        if pos + 12 + length > len(records):
+            break  # a partial batch at the end (Kafka may send one; the client drops it)
+        (last_delta,) = struct.unpack_from(">i", records, pos + 23)
+        out.append((base, last_delta + 1))
+        pos += 12 + length
+    return out
+
+
+def assert_held_near(quota: float, window_s: float, total: int, elapsed: float) -> None:
+    # Kafka's rate lets one window's worth through at once, then holds the quota
+    assert total <= quota * (elapsed + window_s) * 1.3 + 64_000, (total, elapsed)
+
+
+@pytest.mark.parametrize("version", [4, 12])  # sessionless; a KIP-227 session (full, then incremental)
+def test_a_fetch_over_its_byte_rate_is_answered_empty_and_nothing_is_lost(qshim, fetch_topic, version):
+    cid = f"fq-raw-{version}"
+    throttled0 = qshim.server.broker.quotas.throttled["consumer_byte_rate"]
+    offset, total, throttled, corr, sessions = 0, 0, 0, 0, set()
+    session_id, epoch = 0, (0 if version >= 7 else -1)
+    start = time.monotonic()
+    with connect(qshim.port) as s:
+        while offset < FETCH_RECORDS:
+            corr += 1
+            # within a session, the partition is named again only when its fetch offset changed
+            req = fetch_req(version, fetch_topic, offset, session_id, epoch)
+            s.sendall(codec.encode_request(req, corr, client_id=cid))
+            got, resp = codec.decode_response(recv_frame(s), codec.API_FETCH, version)
+            assert got == corr and getattr(resp, "error_code", ErrorCode.none) == ErrorCode.none
+            if version >= 7:
+                if epoch == 0 or resp.session_id == 0:
+                    session_id, epoch = resp.session_id, (1 if resp.session_id else 0)
+                else:
+                    assert resp.session_id == session_id
+                    epoch += 1
+                sessions.add(session_id)
+            parts = [p for t in resp.responses for p in t.partitions]
+            if resp.throttle_time.total_seconds() > 0:
+                throttled += 1
+                assert parts == [], "a throttled fetch carries no partitions (Kafka's empty answer)"
+                continue
+            for p in parts:
+                assert p.error_code == ErrorCode.none
+                for base, count in batches_of(p.records or b""):
+                    assert base == offset, f"a gap or a duplicate: batch at {base}, expected {offset}"
+                    offset += count
+                total += len(p.records or b"")
+    elapsed = time.monotonic() - start
+    print(f"v{version}: {total} B in {elapsed:.2f} s ({total / elapsed / 1e3:.0f} KB/s, quota "
+          f"{FETCH_QUOTA / 1e3:.0f}), {throttled} throttled answers")
+    assert offset == FETCH_RECORDS
+    assert version < 7 or sessions - {0}, "the fetches went through a session"
+    assert throttled > 0 and qshim.server.broker.quotas.throttled["consumer_byte_rate"] > throttled0
+    assert_held_near(FETCH_QUOTA, 2.0, total, elapsed)
+
+
+def test_a_fetch_quota_bound_kafka_python_consumer_reads_everything_in_order(qshim, fetch_topic):
+    from kafka import KafkaConsumer
+
+    throttled0 = qshim.server.broker.quotas.throttled["consumer_byte_rate"]
+    c = KafkaConsumer(fetch_topic, bootstrap_servers=qshim.bootstrap, client_id="fq-kafka-python",
+                      auto_offset_reset="earliest", enable_auto_commit=False, fetch_max_wait_ms=100,
+                      max_partition_fetch_bytes=64_000, consumer_timeout_ms=200)
+    try:
+        got: list[tuple[int, bytes]] = []
+        start = time.monotonic()
+        deadline = start + 60
+        while len(got) < FETCH_RECORDS and time.monotonic() < deadline:
+            got.extend((m.offset, m.value[:6]) for m in c)
+        elapsed = time.monotonic() - start
+    finally:
+        c.close()
+    assert [o for o, _v in got] == list(range(FETCH_RECORDS))  # in order, no gap, no duplicate
+    assert [v for _o, v in got] == [b"%06d" % i for i in range(FETCH_RECORDS)]
+    assert qshim.server.broker.quotas.throttled["consumer_byte_rate"] > throttled0
+    assert_held_near(FETCH_QUOTA, 2.0, FETCH_RECORDS * 1000, elapsed)
+
+
+# ---------------------------------------------------------------- a produce flood under a memory bound
+def test_a_produce_flood_keeps_the_listeners_memory_under_its_inflight_bound(cluster):
+    """Five producers send 1 MB produce requests as fast as they can to a listener whose
+    ``max_inflight_produce_bytes`` is 4 MiB: the Python memory the listener allocates meanwhile
+    (tracemalloc: the listener runs in this process; librdkafka's memory is not Python's) stays
+    under the bound plus a small fixed overhead, the clients wait (backpressure), and every
+    acknowledged record is stored. Before the bound counted each request's copies and the bytes the
+    partitions' writers keep, the same flood took ~9x the bound."""
+    import tracemalloc
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    bound, overhead = 4 << 20, 2 << 20
+    shim = ShimThread(cluster.metadata_url, free_port(), node_id=None,
+                      server_options={"max_inflight_produce_bytes": bound})
+    shim.start()
+    prods = []
+    try:
+        admin = AdminClient({"bootstrap.servers": shim.bootstrap})
+        admin.create_topics([NewTopic("flood", 4, 1)])["flood"].result(30)
+        prods = [Producer({"bootstrap.servers": shim.bootstrap, "acks": "all", "linger.ms": 50,
+                           "batch.size": 1_000_000, "message.max.bytes": 1_000_000,
+                           "queue.buffering.max.kbytes": 4096}) for _ in range(5)]
+        pad = b"z" * 99_000
+        acked, errors = [0], []
+
+        def report(err, _msg):
+            if err is None:
+                acked[0] += 1
+            else:
+                errors.append(err)
+
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            stop = time.monotonic() + 3.0
+            while time.monotonic() < stop:
+                for p in prods:
+                    with contextlib.suppress(BufferError):
+                        p.produce("flood", pad, on_delivery=report)
+                    p.poll(0)
+                time.sleep(0.001)
+            for p in prods:
+                assert p.flush(60) == 0
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        budget = shim.server.produce_budget
+        print(f"flood: {acked[0]} records acked, listener allocations peak +{peak / 2**20:.1f} MiB (bound "
+              f"{bound / 2**20:.0f} MiB), budget peak {budget.peak / 2**20:.1f} MiB, with the writers' "
+              f"{budget.peak_total / 2**20:.1f} MiB, waits {shim.server.stats['produce_bytes_waits']}")
+        assert not errors and acked[0] > 20
+        assert shim.server.stats["produce_bytes_waits"] > 0  # the bound held clients back
+        assert budget.peak <= bound
+        assert peak <= bound + overhead
+        # every acknowledged record is stored: the high watermarks count them
+        assert sum(high_watermarks(shim.bootstrap, "flood", 4)) == acked[0]
+    finally:
+        prods.clear()
+        shim.stop()
+
+
+def high_watermarks(bootstrap: str, topic: str, partitions: int) -> list[int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "watermarks"})
+    try:
+        return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)]
+    finally:
+        c.close()
+
+
+def test_a_fetch_over_its_request_percentage_is_answered_empty(qshim, fetch_topic):
+    """As Kafka: a fetch over the request quota (a tiny share of a handler: any fetch is over it)
+    gets the empty, throttled answer although records are there."""
+    cid = "fq-request-share"
+    with connect(qshim.port) as s:
+        call(s, alter_req(1, [([("client-id", cid)], [("request_percentage", 0.0001)])]))
+        try:
+            with connect(qshim.port) as c:  # its own connection: this one is muted after the answer
+                c.sendall(codec.encode_request(fetch_req(12, fetch_topic, 0), 1, client_id=cid))
+                _corr, resp = codec.decode_response(recv_frame(c), codec.API_FETCH, 12)
+            assert resp.throttle_time.total_seconds() > 0 and resp.responses == ()
+        finally:
+            call(s, alter_req(1, [([("client-id", cid)], [("request_percentage", None)])]), 2)

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from streams.client import connect
+from streams.producer import writer_key
 from streams.tools import admin
 from streams.tools.autorecovery import AUDITOR, AutoRecovery, AutoRecoveryConfig, status
 from streams.tools.localcluster import LocalCluster
@@ -325,3 +326,147 @@ def test_throttle_paces_copies(monkeypatch):
     asyncio.run(main())
     # the fake sleep does not advance the clock: each wait is counted from (about) the same start
     assert len(slept) == 4 and slept == sorted(slept) and 1.9 < slept[-1] <= 2.0 + 1e-6
+
+
+WRITER = """
+import asyncio, sys
+import streams.producer as sp
+sp.WRITER_LEASE_TTL_S = 2  # its writer key is gone 2 s after the process is
+from streams.client import connect
+from streams.producer import writer_key
+
+async def main():
+    c = await connect(sys.argv[1])
+    p = await c.producer(sys.argv[2])
+    for i in range(int(sys.argv[3])):
+        await p.append(b"value-%d" % i)
+    print("written", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_live_idle_writer_replaces_a_lost_bookie_itself_a_dead_writer_is_taken_over(rcluster):
+    """The issue's rule for open fragments: the live writer's is its own (no take-over even with no
+    grace at all: its producer keeps working, no StaleTermError), and its written prefix is still
+    repaired; a writer whose process is gone (its writer key expired with its lease) is taken over."""
+    live_s, dead_s = "autorec-live-writer", "autorec-dead-writer"
+    stopped: list[int] = []
+    procs: list[subprocess.Popen] = []
+
+    async def main():
+        c = await connect(rcluster.metadata_url, add_timeout_s=3.0, call_timeout_s=3.0)
+        await c.create_stream(live_s, ensemble=3, write_quorum=3, ack_quorum=2, fragment_entries_max=1000)
+        p = await c.producer(live_s)
+        for i in range(N):
+            await p.append(b"value-%d" % i)
+        term = p.term
+        key = json.loads((await c.cluster.store.get(writer_key(p.stream_id))).value)
+        assert key["term"] == term and key["pid"] == os.getpid()
+        victim = (await fragments(c, live_s))[-1].ensemble[1]
+        stop = asyncio.Event()
+        # no delay and no grace: without the writer's key the stream would be taken over at once
+        ar = AutoRecovery(c, AutoRecoveryConfig(lost_bookie_delay_s=0, open_ledger_grace_s=0, lease_ttl_s=3,
+                                                retry_s=0.5, relist_s=5))
+        task = asyncio.create_task(ar.run(stop))
+        try:
+            await until(lambda: asyncio.sleep(0, ar.is_auditor), "the auditor")
+            # 1. the idle writer: its ensemble change seals the written prefix, which is repaired.
+            # The writer hears of the loss only once autorecovery has seen its open fragment on the
+            # lost bookie (whichever comes first otherwise) and left it to the writer.
+            held: list[str] = []
+            tell = p._driver.bookie_left
+            p._driver.bookie_left = held.append
+            rcluster.bookies[idx(victim)].signal(signal.SIGSTOP)
+            stopped.append(idx(victim))
+            await until(lambda: asyncio.sleep(0, ar.deferred or ar.takeovers), "autorecovery to look at the open fragment")
+            assert ar.takeovers == 0 and ar.deferred >= 1
+            p._driver.bookie_left = tell
+            for b in held:
+                tell(b)
+
+            async def repaired(s):
+                fs = await fragments(c, s)
+                return not any(victim in f.ensemble for f in fs) and not (await status(c))["underreplicated"]
+
+            await until(lambda: repaired(live_s), "the idle writer's ensemble change and the repair")
+            meta, _ = await c.cluster.ledgers.get_ledger(live_s)
+            assert meta.term == term and ar.takeovers == 0  # never taken over
+            assert await p.append(b"value-%d" % N) == N  # the producer carries on: no StaleTermError
+            fs = await fragments(c, live_s)
+            assert len(fs) >= 2 and fs[0].sealed and fs[0].last_entry_id >= N  # the prefix, sealed
+            await p.close()
+            assert await c.cluster.store.get(writer_key(p.stream_id)) is None  # closed: the key is gone
+            cons = await c.consumer(live_s, start="earliest")
+            assert [r.value for r in await cons.read(1000)] == [b"value-%d" % i for i in range(N + 1)]
+            rcluster.bookies[idx(victim)].signal(signal.SIGCONT)
+            stopped.remove(idx(victim))
+            await until(lambda: _back(c, victim), f"{victim} to register again")
+
+            # 2. a writer whose process is gone: its key expires with its lease, then the take-over
+            await c.create_stream(dead_s, ensemble=3, write_quorum=3, ack_quorum=2, fragment_entries_max=1000)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+            w = subprocess.Popen([sys.executable, "-c", WRITER, rcluster.metadata_url, dead_s, str(N)],
+                                 stdout=subprocess.PIPE, env=env)
+            procs.append(w)
+            line = await asyncio.to_thread(w.stdout.readline)
+            assert line.strip() == b"written", line
+            meta_before, _ = await c.cluster.ledgers.get_ledger(dead_s)
+            assert json.loads((await c.cluster.store.get(writer_key(meta_before.ledger_id))).value)["pid"] == w.pid
+            w.kill()
+            w.wait(30)
+            victim2 = (await fragments(c, dead_s))[-1].ensemble[0]
+            rcluster.bookies[idx(victim2)].signal(signal.SIGSTOP)
+            stopped.append(idx(victim2))
+
+            async def taken_over():
+                fs = await fragments(c, dead_s)
+                return not any(victim2 in f.ensemble for f in fs) and not (await status(c))["underreplicated"]
+
+            await until(taken_over, "the dead writer's stream taken over and repaired", timeout_s=120)
+            meta_after, _ = await c.cluster.ledgers.get_ledger(dead_s)
+            assert meta_after.term > meta_before.term and ar.takeovers >= 1
+            cons = await c.consumer(dead_s, start="earliest")
+            assert [r.value for r in await cons.read(1000)] == [b"value-%d" % i for i in range(N)]
+        finally:
+            stop.set()
+            await task
+            await c.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for w in procs:
+            if w.poll() is None:
+                w.kill()
+                w.wait(30)
+        for i in stopped:
+            rcluster.bookies[i].signal(signal.SIGCONT)
+
+
+def test_a_writer_whose_lease_lapsed_holds_its_key_again(rcluster):
+    """A client stalled past its writer lease (here: the lease revoked) finds the lease gone on its
+    next keep-alive and puts the keys of its open writers again under a new one."""
+    from streams.producer import _Liveness
+
+    async def main():
+        c = await connect(rcluster.metadata_url)
+        try:
+            await c.create_stream("autorec-relapse", ensemble=3, write_quorum=3, ack_quorum=2)
+            p = await c.producer("autorec-relapse")
+            await p.append(b"one")
+            store, key = c.cluster.store, writer_key(p.stream_id)
+            live = _Liveness.of(c.cluster)
+            old = live._lease
+            await old.revoke()
+            assert await store.get(key) is None
+            await until(lambda: store.get(key), "the writer key put again", timeout_s=30)
+            assert live._lease is not old and json.loads((await store.get(key)).value)["term"] == p.term
+            assert await p.append(b"two") == 1
+            await p.close()
+            assert await store.get(key) is None and live._lease is None  # the last producer closed: lease revoked
+        finally:
+            await c.close()
+
+    asyncio.run(main())

@@ -184,3 +184,49 @@ def test_a_flipped_byte_no_pass_found_yet_is_caught_by_the_read(scluster):
     assert fixed["ok"] and [x["copied"] for x in fixed["fragments"]] == [1]
     twin = port_of(scluster, write_set(eid, f.ensemble, 3)[1])
     assert run(direct_read(port, ledger, eid)) == run(direct_read(twin, ledger, eid))
+
+
+def test_scroll_bookie_scrub_reports_repairs_and_keeps_its_counters_across_a_restart(scluster):
+    """The operator's command: ``scroll bookie scrub --wait`` starts a pass and shows the bad copy
+    (exit 1 while it waits for its repair), ``--repair`` copies it back from a good replica, and a
+    restarted bookie still knows its totals (kept in its own index)."""
+    s = "scrub-cli"
+    info0 = run(make(scluster.metadata_url, s))
+    f = info0.fragments[0]
+    ledger = info0.meta.ledger_id
+    eid = 23
+    victim = write_set(eid, f.ensemble, 3)[0]
+    port = port_of(scluster, victim)
+    i = int(victim.rsplit("-", 1)[1])
+    flip_on_disk(scluster, i, value(eid - 1, s))
+    before = run(settled(port))
+
+    found = cli(scluster, "bookie", "scrub", "--bookie", victim, "--wait", "--json", check=False)
+    assert found.returncode == 1, found.stderr.decode()  # a bad copy waits for its repair
+    [b] = json.loads(found.stdout)["bookies"]
+    assert b["bookie"] == victim and b["started"] and not b["running"] and b["passes"] == before.scrub_passes + 1
+    assert b["corrupt"] == before.scrub_corrupt + 1 and b["awaiting_repair"] == 1 and b["last_pass_end"] >= b["last_pass_start"] > 0
+    assert [(x["ledger"], x["entry"], x["found_by"]) for x in b["findings"]][-1] == (ledger, eid, "scrub")
+    assert run(direct_read(port, ledger, eid)) == "missing"  # not served
+
+    fixed = cli(scluster, "bookie", "scrub", "--status", "--repair", "--json")
+    d = json.loads(fixed.stdout)
+    assert d["ok"] and [(r["stream"], r["copied"]) for r in d["repairs"]] == [(s, 1)]
+    mine = next(x for x in d["bookies"] if x["bookie"] == victim)
+    assert (mine["repaired"], mine["awaiting_repair"]) == (b["repaired"] + 1, 0)
+    twin = port_of(scluster, write_set(eid, f.ensemble, 3)[1])
+    assert run(direct_read(port, ledger, eid)) == run(direct_read(twin, ledger, eid))  # a good copy again
+
+    scluster.bookies[i].stop()  # restarted: the totals come back from its index
+    scluster.start_bookie(i)
+    shown = cli(scluster, "bookie", "scrub", "--bookie", victim, "--status")
+    assert victim.encode() in shown.stdout and b"awaiting repair" in shown.stdout
+    again = json.loads(cli(scluster, "bookie", "scrub", "--status", "--json").stdout)
+    after = next(x for x in again["bookies"] if x["bookie"] == victim)
+    assert {k: after[k] for k in ("passes", "entries", "corrupt", "repaired", "last_pass_end")} == \
+        {k: mine[k] for k in ("passes", "entries", "corrupt", "repaired", "last_pass_end")}
+    assert not after["running"] and after["findings"] == []  # the recent findings are since start
+
+    bad = cli(scluster, "bookie", "scrub", "--bookie", "bookie-99", check=False)
+    assert bad.returncode != 0 and b"not registered: bookie-99" in bad.stderr
+    assert cli(scluster, "bookie", "scrub", check=False).returncode == 2  # says which bookies to name
