@@ -1,8 +1,8 @@
 """Async client of one bookie, with add batching; answers are the events of ``terms.messages``.
 
-How this works. The data plane (adds, reads, LAC reads and writes) runs on one TCP connection to
-the bookie's data port, in the binary frames of ``bookie.wire``; the control plane (fence,
-recovery read, trim, info) on gRPC. A client given only the gRPC address learns the data port from
+How this works. The data plane (adds, reads, LAC reads and writes, and a take-over's fences and
+recovery reads) runs on one TCP connection to the bookie's data port, in the binary frames of
+``bookie.wire``; the control plane (trim, info, scrub) on gRPC. A client given only the gRPC address learns the data port from
 Info. ``submit`` (a list of ``AddRequest``) or ``submit_columns`` hands adds to the connection and
 returns one future for them: they leave at once as one ADD frame while fewer than
 ``max_inflight_batches`` frames await their answer; otherwise they gather (up to
@@ -481,6 +481,13 @@ def _settle(waiter, results: AddResults, direct: bool) -> None:
         asyncio.get_running_loop().call_soon(waiter, results)
 
 
+def _status_name(status: int) -> str:
+    try:
+        return Status(status).name
+    except ValueError:
+        return str(status)
+
+
 def _refused(exc: grpc.aio.AioRpcError) -> bool:
     """A call the bookie refused for our credentials: UNAUTHENTICATED, or a TLS handshake that
     failed (no channel could be set up: wrong CA, a refused client certificate, TLS vs plaintext)."""
@@ -758,38 +765,43 @@ class BookieClient:
     # ---------------------------------------------------------------- term-carrying unary calls
 
     async def fence(self, ledger_id: int, term: int):
-        """Answers FenceOk(lac, lafr), InvalidTerm or FenceFailed."""
+        """Answers FenceOk(lac, lafr), InvalidTerm or FenceFailed (a FENCE frame on the data plane)."""
         try:
-            r = await self._tracked(self._stub.Fence, pb.FenceRequest(ledger_id=ledger_id, term=term))
-        except grpc.aio.AioRpcError as exc:
-            self._log_rpc_error(exc, "fence ledger=%d term=%d on %s failed: %s", ledger_id, term, self.bookie)
+            body = await self._call(wire.FENCE, lambda rid: wire.encode_fence(rid, ledger_id, term), ledger_id)
+            status, bookie_term, lac, lafr, error = wire.decode_fence_answer(body)
+        except (BookieError, wire.FrameError, struct.error) as exc:
+            level = log.debug if self._closed else (log.error if isinstance(exc, BookieAuthError) else log.warning)
+            level("fence ledger=%d term=%d on %s failed: %s", ledger_id, term, self.bookie, exc)
             return FenceFailed(self.bookie, ledger_id, term)
-        if r.status == Status.OK:
-            return FenceOk(self.bookie, ledger_id, term, r.lac, r.lafr)
-        if r.status == Status.INVALID_TERM:
-            return InvalidTerm(self.bookie, ledger_id, term, r.bookie_term)
-        log.warning("fence ledger=%d term=%d on %s: %s %s", ledger_id, term, self.bookie, Status(r.status).name, r.error)
+        if status == Status.OK:
+            return FenceOk(self.bookie, ledger_id, term, lac, lafr)
+        if status == Status.INVALID_TERM:
+            return InvalidTerm(self.bookie, ledger_id, term, bookie_term)
+        log.warning("fence ledger=%d term=%d on %s: %s %s", ledger_id, term, self.bookie, _status_name(status), error)
         return FenceFailed(self.bookie, ledger_id, term)
 
     async def recovery_read(self, ledger_id: int, entry_id: int, term: int):
-        """Answers ReadOk(entry_term, data), ReadMissing, InvalidTerm or ReadFailed."""
-        req = pb.RecoveryReadRequest(ledger_id=ledger_id, entry_id=entry_id, term=term)
+        """Answers ReadOk(entry_term, data), ReadMissing, InvalidTerm or ReadFailed (a
+        RECOVERY_READ frame on the data plane)."""
         try:
-            r = await self._tracked(self._stub.RecoveryRead, req)
-        except grpc.aio.AioRpcError as exc:
-            self._log_rpc_error(exc, "recovery read ledger=%d entry=%d term=%d on %s failed: %s", ledger_id, entry_id,
-                                term, self.bookie)
+            body = await self._call(wire.RECOVERY_READ,
+                                    lambda rid: wire.encode_recovery_read(rid, ledger_id, entry_id, term), ledger_id)
+            status, bookie_term, _lac, entry_term, dtype, dig, data, error = wire.decode_recovery_read_answer(body)
+        except (BookieError, wire.FrameError, struct.error) as exc:
+            level = log.debug if self._closed else (log.error if isinstance(exc, BookieAuthError) else log.warning)
+            level("recovery read ledger=%d entry=%d term=%d on %s failed: %s", ledger_id, entry_id, term, self.bookie,
+                  exc)
             return ReadFailed(self.bookie, ledger_id, entry_id, term)
-        if r.status == Status.OK:
-            if not self._verify(ledger_id, entry_id, r.digest_type, r.data, r.digest):
+        if status == Status.OK:
+            if not self._verify(ledger_id, entry_id, dtype, data, dig):
                 log.error("recovery read ledger=%d entry=%d from %s: digest mismatch", ledger_id, entry_id, self.bookie)
                 return ReadFailed(self.bookie, ledger_id, entry_id, term)
-            return ReadOk(self.bookie, ledger_id, entry_id, term, r.entry_term, r.data)
-        if r.status == Status.NO_SUCH_ENTRY:
+            return ReadOk(self.bookie, ledger_id, entry_id, term, entry_term, data)
+        if status == Status.NO_SUCH_ENTRY:
             return ReadMissing(self.bookie, ledger_id, entry_id, term)
-        if r.status == Status.INVALID_TERM:
-            return InvalidTerm(self.bookie, ledger_id, term, r.bookie_term)
-        log.warning("recovery read ledger=%d entry=%d: %s %s", ledger_id, entry_id, Status(r.status).name, r.error)
+        if status == Status.INVALID_TERM:
+            return InvalidTerm(self.bookie, ledger_id, term, bookie_term)
+        log.warning("recovery read ledger=%d entry=%d: %s %s", ledger_id, entry_id, _status_name(status), error)
         return ReadFailed(self.bookie, ledger_id, entry_id, term)
 
     async def write_lac(self, ledger_id: int, term: int, lac: int, lafr: int):
