@@ -216,6 +216,7 @@ class _DataConnection(asyncio.Protocol):
         self.live = False  # connected (and authenticated): requests may go out
         self.ready = asyncio.get_running_loop().create_future()
         self.watchdog: asyncio.TimerHandle | None = None
+        self._out: list = []  # request frames of this loop turn, written together (``_flush_out``)
         self.connecting = asyncio.ensure_future(self._connect())
 
     async def _connect(self) -> None:
@@ -313,6 +314,8 @@ class _DataConnection(asyncio.Protocol):
         """Send open batches while in-flight slots are free."""
         limit = self.client.max_inflight_batches
         now = None
+        if self._out:
+            self._flush_out()  # requests made before these adds go first
         while self.open and len(self.adds) < limit and not self.dead:
             ob = self.open.popleft()
             rid = self._rid()
@@ -354,12 +357,21 @@ class _DataConnection(asyncio.Protocol):
         rid = self._rid()
         self.calls[rid] = _Call(op, fut, loop.time() + timeout_s, ledger_id)
         frame = frame_of(rid)
+        if not self._out:
+            loop.call_soon(self._flush_out)
         if isinstance(frame, list):
-            self.transport.writelines(frame)
+            self._out.extend(frame)
         else:
-            self.transport.write(frame)
+            self._out.append(frame)
         self._arm()
         return fut
+
+    def _flush_out(self) -> None:
+        """Write the requests of this loop turn in one ``writelines``: a take-over of many streams
+        (fences, recovery reads, LAC writes) or many readers cost one send, not one per request."""
+        out, self._out = self._out, []
+        if out and not self.dead and self.transport is not None:
+            self.transport.writelines(out)
 
     def _call_answered(self, op: int, rid: int, body: memoryview) -> None:
         call = self.calls.pop(rid, None)
