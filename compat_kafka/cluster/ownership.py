@@ -362,10 +362,10 @@ class Ownership:
                                                    return_exceptions=True)
         except Exception as exc:  # noqa: BLE001 - every claim of the chunk fails with it
             results = [exc] * len(items)
-        finally:
-            for _, _, fut in items:  # cancelled (shutdown): the claims fail
-                if not fut.done() and "results" not in locals():
-                    fut.cancel()
+        except BaseException:  # cancelled (shutdown): so are the claims
+            for _, _, fut in items:
+                fut.cancel()
+            raise
         for (_, _, fut), res in zip(items, results):
             if fut.done():
                 continue
