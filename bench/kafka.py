@@ -361,9 +361,11 @@ def phase_failover(args, cluster, base: Path, results: dict) -> None:
         a.kill()
         killed = time.perf_counter()
         a.wait(10)
+        spies = py_spy(args, b.pid, base / "listener-failover")  # --profile: the survivor's take-over
         expired = asyncio.run(_wait_key_gone(cluster.metadata_url, "kafka/brokers/1", 3 * ttl + 30))
         again = produce_each(f"127.0.0.1:{b_port}", topic, n, 1)
         serving = time.perf_counter()
+        stop_py_spy(spies)
         results["failover"] = {"partitions": n, "lease_ttl_s": ttl, "kill_to_expiry_s": expired - killed,
                                "expiry_to_all_serving_s": serving - expired, "produce_after": again}
         print(f"failover: SIGKILL -> lease expiry {expired - killed:.2f} s (TTL {ttl} s); lease expiry -> every one "

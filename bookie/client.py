@@ -1,8 +1,8 @@
 """Async client of one bookie, with add batching; answers are the events of ``terms.messages``.
 
-How this works. The data plane (adds, reads, LAC reads and writes) runs on one TCP connection to
-the bookie's data port, in the binary frames of ``bookie.wire``; the control plane (fence,
-recovery read, trim, info) on gRPC. A client given only the gRPC address learns the data port from
+How this works. The data plane (adds, reads, LAC reads and writes, and a take-over's fences and
+recovery reads) runs on one TCP connection to the bookie's data port, in the binary frames of
+``bookie.wire``; the control plane (trim, info, scrub) on gRPC. A client given only the gRPC address learns the data port from
 Info. ``submit`` (a list of ``AddRequest``) or ``submit_columns`` hands adds to the connection and
 returns one future for them: they leave at once as one ADD frame while fewer than
 ``max_inflight_batches`` frames await their answer; otherwise they gather (up to
@@ -222,6 +222,7 @@ class _DataConnection(asyncio.Protocol):
         self.live = False  # connected (and authenticated): requests may go out
         self.ready = asyncio.get_running_loop().create_future()
         self.watchdog: asyncio.TimerHandle | None = None
+        self._out: list = []  # request frames of this loop turn, written together (``_flush_out``)
         self.connecting = asyncio.ensure_future(self._connect())
 
     async def _connect(self) -> None:
@@ -319,6 +320,8 @@ class _DataConnection(asyncio.Protocol):
         """Send open batches while in-flight slots are free."""
         limit = self.client.max_inflight_batches
         now = None
+        if self._out:
+            self._flush_out()  # requests made before these adds go first
         while self.open and len(self.adds) < limit and not self.dead:
             ob = self.open.popleft()
             rid = self._rid()
@@ -360,12 +363,21 @@ class _DataConnection(asyncio.Protocol):
         rid = self._rid()
         self.calls[rid] = _Call(op, fut, loop.time() + timeout_s, ledger_id)
         frame = frame_of(rid)
+        if not self._out:
+            loop.call_soon(self._flush_out)
         if isinstance(frame, list):
-            self.transport.writelines(frame)
+            self._out.extend(frame)
         else:
-            self.transport.write(frame)
+            self._out.append(frame)
         self._arm()
         return fut
+
+    def _flush_out(self) -> None:
+        """Write the requests of this loop turn in one ``writelines``: a take-over of many streams
+        (fences, recovery reads, LAC writes) or many readers cost one send, not one per request."""
+        out, self._out = self._out, []
+        if out and not self.dead and self.transport is not None:
+            self.transport.writelines(out)
 
     def _call_answered(self, op: int, rid: int, body: memoryview) -> None:
         call = self.calls.pop(rid, None)
@@ -485,6 +497,13 @@ def _settle(waiter, results: AddResults, direct: bool) -> None:
             log.exception("add answer callback failed")
     else:
         asyncio.get_running_loop().call_soon(waiter, results)
+
+
+def _status_name(status: int) -> str:
+    try:
+        return Status(status).name
+    except ValueError:
+        return str(status)
 
 
 def _refused(exc: grpc.aio.AioRpcError) -> bool:
@@ -764,38 +783,43 @@ class BookieClient:
     # ---------------------------------------------------------------- term-carrying unary calls
 
     async def fence(self, ledger_id: int, term: int):
-        """Answers FenceOk(lac, lafr), InvalidTerm or FenceFailed."""
+        """Answers FenceOk(lac, lafr), InvalidTerm or FenceFailed (a FENCE frame on the data plane)."""
         try:
-            r = await self._tracked(self._stub.Fence, pb.FenceRequest(ledger_id=ledger_id, term=term))
-        except grpc.aio.AioRpcError as exc:
-            self._log_rpc_error(exc, "fence ledger=%d term=%d on %s failed: %s", ledger_id, term, self.bookie)
+            body = await self._call(wire.FENCE, lambda rid: wire.encode_fence(rid, ledger_id, term), ledger_id)
+            status, bookie_term, lac, lafr, error = wire.decode_fence_answer(body)
+        except (BookieError, wire.FrameError, struct.error) as exc:
+            level = log.debug if self._closed else (log.error if isinstance(exc, BookieAuthError) else log.warning)
+            level("fence ledger=%d term=%d on %s failed: %s", ledger_id, term, self.bookie, exc)
             return FenceFailed(self.bookie, ledger_id, term)
-        if r.status == Status.OK:
-            return FenceOk(self.bookie, ledger_id, term, r.lac, r.lafr)
-        if r.status == Status.INVALID_TERM:
-            return InvalidTerm(self.bookie, ledger_id, term, r.bookie_term)
-        log.warning("fence ledger=%d term=%d on %s: %s %s", ledger_id, term, self.bookie, Status(r.status).name, r.error)
+        if status == Status.OK:
+            return FenceOk(self.bookie, ledger_id, term, lac, lafr)
+        if status == Status.INVALID_TERM:
+            return InvalidTerm(self.bookie, ledger_id, term, bookie_term)
+        log.warning("fence ledger=%d term=%d on %s: %s %s", ledger_id, term, self.bookie, _status_name(status), error)
         return FenceFailed(self.bookie, ledger_id, term)
 
     async def recovery_read(self, ledger_id: int, entry_id: int, term: int):
-        """Answers ReadOk(entry_term, data), ReadMissing, InvalidTerm or ReadFailed."""
-        req = pb.RecoveryReadRequest(ledger_id=ledger_id, entry_id=entry_id, term=term)
+        """Answers ReadOk(entry_term, data), ReadMissing, InvalidTerm or ReadFailed (a
+        RECOVERY_READ frame on the data plane)."""
         try:
-            r = await self._tracked(self._stub.RecoveryRead, req)
-        except grpc.aio.AioRpcError as exc:
-            self._log_rpc_error(exc, "recovery read ledger=%d entry=%d term=%d on %s failed: %s", ledger_id, entry_id,
-                                term, self.bookie)
+            body = await self._call(wire.RECOVERY_READ,
+                                    lambda rid: wire.encode_recovery_read(rid, ledger_id, entry_id, term), ledger_id)
+            status, bookie_term, _lac, entry_term, dtype, dig, data, error = wire.decode_recovery_read_answer(body)
+        except (BookieError, wire.FrameError, struct.error) as exc:
+            level = log.debug if self._closed else (log.error if isinstance(exc, BookieAuthError) else log.warning)
+            level("recovery read ledger=%d entry=%d term=%d on %s failed: %s", ledger_id, entry_id, term, self.bookie,
+                  exc)
             return ReadFailed(self.bookie, ledger_id, entry_id, term)
-        if r.status == Status.OK:
-            if not self._verify(ledger_id, entry_id, r.digest_type, r.data, r.digest):
+        if status == Status.OK:
+            if not self._verify(ledger_id, entry_id, dtype, data, dig):
                 log.error("recovery read ledger=%d entry=%d from %s: digest mismatch", ledger_id, entry_id, self.bookie)
                 return ReadFailed(self.bookie, ledger_id, entry_id, term)
-            return ReadOk(self.bookie, ledger_id, entry_id, term, r.entry_term, r.data)
-        if r.status == Status.NO_SUCH_ENTRY:
+            return ReadOk(self.bookie, ledger_id, entry_id, term, entry_term, data)
+        if status == Status.NO_SUCH_ENTRY:
             return ReadMissing(self.bookie, ledger_id, entry_id, term)
-        if r.status == Status.INVALID_TERM:
-            return InvalidTerm(self.bookie, ledger_id, term, r.bookie_term)
-        log.warning("recovery read ledger=%d entry=%d: %s %s", ledger_id, entry_id, Status(r.status).name, r.error)
+        if status == Status.INVALID_TERM:
+            return InvalidTerm(self.bookie, ledger_id, term, bookie_term)
+        log.warning("recovery read ledger=%d entry=%d: %s %s", ledger_id, entry_id, _status_name(status), error)
         return ReadFailed(self.bookie, ledger_id, entry_id, term)
 
     async def write_lac(self, ledger_id: int, term: int, lac: int, lafr: int):

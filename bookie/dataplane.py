@@ -1,4 +1,5 @@
-"""The bookie's data plane: adds, reads and LACs over the binary frames of ``bookie.wire``.
+"""The bookie's data plane: adds, reads, LACs, fences and recovery reads over the binary frames of
+``bookie.wire``.
 
 How this works. One asyncio ``Protocol`` per client connection, on the event loop that runs the
 engine. ``data_received`` splits frames and handles each one at once, without a task or a queue:
@@ -6,7 +7,10 @@ an add is decided, applied and journaled synchronously (``engine.add_batch``; no
 between the term check and the journal append) and its answer leaves from a callback on the
 journal's group-commit future, the moment the fsync returns. Reads are served synchronously from
 the caches; only a part that needs the disk continues in a task (the read threads). A long-poll
-read or LAC read parks a callback on the engine's LAC waiters plus one timer.
+read or LAC read parks a callback on the engine's LAC waiters plus one timer. A fence (and the
+term part of a recovery read) is decided and journaled synchronously like an add, so the fences of
+many ledgers in one read share one journal commit; the answer waits for it to be durable, and a
+recovery read's entry is then read as a read's is.
 
 Limits: while the write cache is full, or a connection has ``max_inflight_batches_per_stream``
 adds awaiting their fsync, or its answers are not being read (transport write buffer over the high
@@ -326,6 +330,10 @@ class DataConnection(asyncio.Protocol):
                 self._read_lac(rid, *wire.READ_LAC_REQ.unpack(body))
             elif op == wire.WRITE_LAC:
                 self._write_lac(rid, *wire.WRITE_LAC_REQ.unpack(body))
+            elif op == wire.FENCE:
+                self._fence(rid, *wire.FENCE_REQ.unpack(body))
+            elif op == wire.RECOVERY_READ:
+                self._recovery_read(rid, *wire.RECOVERY_READ_REQ.unpack(body))
             elif op == wire.AUTH:
                 self._auth_again(rid, body)
             else:
@@ -507,3 +515,69 @@ class DataConnection(asyncio.Protocol):
                 self._send(wire.encode_write_lac_answer(rid, code, -1, message))
 
         fut.add_done_callback(done)
+
+    # ---------------------------------------------------------------- take-over: fence, recovery read
+    def _fence(self, rid: int, lid: int, term: int) -> None:
+        e = self.engine
+        try:
+            decision, seq = e.fence(lid, term)
+        except Exception as exc:  # noqa: BLE001 - answered with its status
+            code, message = _status_of(exc)
+            self._send(wire.encode_fence_answer(rid, code, -1, -1, -1, message))
+            return
+        if isinstance(decision, Reject):
+            self._send(wire.encode_fence_answer(rid, Status.INVALID_TERM, decision.bookie_term, -1, -1))
+            return
+        st = decision.state
+
+        def answer() -> None:
+            self._send(wire.encode_fence_answer(rid, Status.OK, st.term, st.lac, st.lafr))
+
+        committer = e.committer
+        fut = committer.wait_synced(seq) if seq > 0 and committer is not None else None
+        if fut is None:
+            answer()
+            return
+
+        def done(f: asyncio.Future) -> None:
+            exc = f.exception() if not f.cancelled() else BookieError("cancelled")
+            if exc is None:
+                answer()
+            else:
+                code, message = _status_of(exc)
+                self._send(wire.encode_fence_answer(rid, code, -1, -1, -1, message))
+
+        fut.add_done_callback(done)
+
+    def _recovery_read(self, rid: int, lid: int, eid: int, term: int) -> None:
+        try:
+            decision, seq = self.engine.recovery_read_decide(lid, eid, term)
+        except Exception as exc:  # noqa: BLE001 - answered with its status
+            code, message = _status_of(exc)
+            self._send(wire.encode_recovery_read_answer(rid, code, -1, -1, error=message))
+            return
+        if isinstance(decision, Reject):
+            self._send(wire.encode_recovery_read_answer(rid, Status.INVALID_TERM, decision.bookie_term, -1))
+            return
+        t = asyncio.get_running_loop().create_task(self._recovery_read_durable(rid, lid, eid, seq, decision.state))
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    async def _recovery_read_durable(self, rid: int, lid: int, eid: int, seq: int, state) -> None:
+        e = self.engine
+        try:
+            await e.wait_durable(seq)
+            entry = await e.aread_entry(lid, eid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered with its status
+            code, message = _status_of(exc)
+            self._send(wire.encode_recovery_read_answer(rid, code, -1, -1, error=message))
+            return
+        st = e.state(lid)
+        lac = st.lac if st is not None else -1
+        if entry is None:
+            self._send(wire.encode_recovery_read_answer(rid, Status.NO_SUCH_ENTRY, state.term, lac))
+            return
+        self._send(wire.encode_recovery_read_answer(rid, Status.OK, state.term, lac, entry[0], entry[1], entry[2],
+                                                    entry[3]))

@@ -22,6 +22,12 @@ Requests:
   holds up to the LAC (maybe none) and the LAC, never NO_SUCH_ENTRY.
 - READ_LAC: ledger, after LAC, timeout ms (long poll: answered once the LAC passes ``after``).
 - WRITE_LAC: ledger, term, LAC, LAFR.
+- FENCE: ledger, term (a take-over's fence: the bookie adopts the term, journals it, and answers
+  with its LAC and LAFR once that is durable; INVALID_TERM with its term if it holds a later one).
+- RECOVERY_READ: ledger, entry, term (a take-over's read: the term is adopted as by a fence, then
+  the entry is answered with its term, digest and data, or NO_SUCH_ENTRY, with the bookie's LAC).
+  Fence and recovery read were gRPC calls (~300 µs of client CPU each); a take-over of many
+  streams sends them as frames on the connection its adds use.
 - AUTH: a token (text). On a bookie that requires authentication it is the first frame a client
   sends (unless a verified client certificate already authenticated the connection); any other
   frame first, a frame over ``MAX_PREAUTH_FRAME_BYTES``, or a wrong token gets an ERROR answer
@@ -37,11 +43,11 @@ import struct
 FRAME = struct.Struct("<IBI")  # length (of op + id + body), op, request id
 MAX_FRAME_BYTES_DEFAULT = 64 << 20
 
-ADD, READ, READ_LAC, WRITE_LAC, AUTH = 1, 2, 3, 4, 5
+ADD, READ, READ_LAC, WRITE_LAC, AUTH, FENCE, RECOVERY_READ = 1, 2, 3, 4, 5, 6, 7
 ANSWER = 0x80
 ERROR = 0xFF
-OPS = (ADD, READ, READ_LAC, WRITE_LAC, AUTH)
-DATA_OPS = (ADD, READ, READ_LAC, WRITE_LAC)  # what authentication guards
+OPS = (ADD, READ, READ_LAC, WRITE_LAC, AUTH, FENCE, RECOVERY_READ)
+DATA_OPS = (ADD, READ, READ_LAC, WRITE_LAC, FENCE, RECOVERY_READ)  # what authentication guards
 MAX_PREAUTH_FRAME_BYTES = 4096  # frames a connection may send before it is authenticated
 
 FLAG_TRUNCATE, FLAG_RECOVERY = 1, 2
@@ -57,6 +63,10 @@ READ_LAC_REQ = struct.Struct("<qqq")  # ledger, after lac, timeout ms
 READ_LAC_ANSWER = struct.Struct("<iqqqB")  # status, lac, lafr, bookie term, timed out
 WRITE_LAC_REQ = struct.Struct("<qqqq")  # ledger, term, lac, lafr
 WRITE_LAC_ANSWER = struct.Struct("<iq")  # status, bookie term
+FENCE_REQ = struct.Struct("<qq")  # ledger, term
+FENCE_ANSWER = struct.Struct("<iqqq")  # status, bookie term, lac, lafr
+RECOVERY_READ_REQ = struct.Struct("<qqq")  # ledger, entry, term
+RECOVERY_READ_ANSWER = struct.Struct("<iqqqBHI")  # status, bookie term, lac, entry term, digest type, digest len, data len
 TEXT = struct.Struct("<H")
 ERROR_ANSWER = struct.Struct("<i")
 
@@ -237,6 +247,47 @@ def encode_write_lac_answer(rid: int, status: int, bookie_term: int, error: str 
 def decode_write_lac_answer(body: memoryview):
     status, term = WRITE_LAC_ANSWER.unpack_from(body, 0)
     return status, term, read_text(body, WRITE_LAC_ANSWER.size)[0]
+
+
+# ------------------------------------------------------------------------------ take-over
+
+
+def encode_fence(rid: int, ledger_id: int, term: int) -> bytes:
+    return frame_head(FENCE, rid, FENCE_REQ.size) + FENCE_REQ.pack(ledger_id, term)
+
+
+def encode_fence_answer(rid: int, status: int, bookie_term: int, lac: int, lafr: int, error: str = "") -> bytes:
+    body = FENCE_ANSWER.pack(int(status), bookie_term, lac, lafr) + text(error)
+    return frame_head(FENCE | ANSWER, rid, len(body)) + body
+
+
+def decode_fence_answer(body: memoryview):
+    """(status, bookie term, lac, lafr, error)."""
+    status, term, lac, lafr = FENCE_ANSWER.unpack_from(body, 0)
+    return status, term, lac, lafr, read_text(body, FENCE_ANSWER.size)[0]
+
+
+def encode_recovery_read(rid: int, ledger_id: int, entry_id: int, term: int) -> bytes:
+    return frame_head(RECOVERY_READ, rid, RECOVERY_READ_REQ.size) + RECOVERY_READ_REQ.pack(ledger_id, entry_id, term)
+
+
+def encode_recovery_read_answer(rid: int, status: int, bookie_term: int, lac: int, entry_term: int = -1,
+                                digest_type: int = 0, digest=b"", data=b"", error: str = "") -> list:
+    head = RECOVERY_READ_ANSWER.pack(int(status), bookie_term, lac, entry_term, digest_type, len(digest), len(data))
+    t = text(error)
+    return [frame_head(RECOVERY_READ | ANSWER, rid, len(head) + len(digest) + len(data) + len(t)), head, digest,
+            data, t]
+
+
+def decode_recovery_read_answer(body: memoryview):
+    """(status, bookie term, lac, entry term, digest type, digest, data, error)."""
+    status, term, lac, eterm, dtype, dlen, blen = RECOVERY_READ_ANSWER.unpack_from(body, 0)
+    off = RECOVERY_READ_ANSWER.size
+    if off + dlen + blen > len(body):
+        raise FrameError("recovery read answer runs past the frame")
+    dig = bytes(body[off:off + dlen])
+    data = bytes(body[off + dlen:off + dlen + blen])
+    return status, term, lac, eterm, dtype, dig, data, read_text(body, off + dlen + blen)[0]
 
 
 def encode_auth(rid: int, token: str) -> bytes:

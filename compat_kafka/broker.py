@@ -466,10 +466,12 @@ class Broker:
         meta = await self._topic_for_open(topic)
         if meta is None or not 0 <= index < meta.partitions:
             raise UnknownTopicOrPartition(f"unknown topic or partition {topic} partition {index}")
+        # claimed before taking an open slot: the claims of a produce's partitions go to the store
+        # together (one transaction per 128, ``Ownership.claim``), not one per freed slot
+        if not await self.ownership.claim(partition_key(topic, index)):
+            raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
+                                      f"{self.node_id})")
         async with self._open_slots:  # bounded: opens of many partitions run concurrently
-            if not await self.ownership.claim(partition_key(topic, index)):
-                raise NotLeaderOrFollower(f"{topic} partition {index} is owned by another shim (this is node "
-                                          f"{self.node_id})")
             plog = PartitionLog(self.client, topic, index, self.config.partition, writable=write)
             plog.on_append = functools.partial(self._partition_appended, plog)
             plog.writer_lease = self.ownership.lease  # the writer's liveness key goes with the ownership

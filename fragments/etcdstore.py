@@ -58,7 +58,7 @@ import aetcd.watcher
 import grpc
 from aetcd.utils import prefix_range_end
 
-from fragments.memstore import LeaseExpired, StoreClosed, check_txn
+from fragments.memstore import MAX_TXN_OPS, LeaseExpired, StoreClosed, check_txn
 from fragments.security import ClientSecurity, redact_url
 from fragments.store import (
     Lease,
@@ -881,6 +881,47 @@ class EtcdStore(MetadataStore):
         revision = responses[0].response_put.header.revision
         self._observe(revision)
         return revision
+
+    async def create_all(self, items: dict[str, bytes], lease: Lease | None = None) -> int | None:
+        check_txn(dict.fromkeys(items, 0), items, ())
+        if not items:
+            return None
+        t = self._client.transactions
+        lease_id = self._lease_id(lease)
+        ok, responses = await self._call(
+            lambda: self._client.transaction(
+                compare=[t.create(self._k(k)) == 0 for k in items],
+                success=[t.put(self._k(k), bytes(v), lease=lease_id) for k, v in items.items()],
+                failure=[],
+            ),
+            f"create {len(items)} keys",
+            lost=_compare_failed,
+        )
+        if not ok:
+            return None
+        revision = responses[0].response_put.header.revision
+        self._observe(revision)
+        return revision
+
+    async def get_many(self, keys: list[str]) -> list[Versioned | None]:
+        if len(keys) > MAX_TXN_OPS:
+            raise ValueError(f"a transaction is limited to {MAX_TXN_OPS} reads")
+        if not keys:
+            return []
+        t = self._client.transactions
+        ok, responses = await self._call(
+            lambda: self._client.transaction(compare=[], success=[t.get(self._k(k)) for k in keys], failure=[]),
+            f"get {len(keys)} keys",
+        )
+        out: list[Versioned | None] = []
+        for kvs in responses:  # aetcd: a range answer is a list of (value, Get)
+            if kvs:
+                value, got = kvs[0]
+                out.append(Versioned(value, got.mod_revision))
+                self._observe(got.header.revision)
+            else:
+                out.append(None)
+        return out
 
     async def txn(
         self,

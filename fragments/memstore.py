@@ -275,6 +275,23 @@ class MemoryStore(MetadataStore):
         self._write(key, value, self._revision, lease_id)
         return self._revision
 
+    async def create_all(self, items: dict[str, bytes], lease: Lease | None = None) -> int | None:
+        await self._enter()
+        check_txn(dict.fromkeys(items, 0), items, ())
+        if any(k in self._data for k in items):
+            return None
+        lease_id = self._live_lease_id(lease)
+        self._revision += 1
+        for k, v in items.items():
+            self._write(k, v, self._revision, lease_id)
+        return self._revision
+
+    async def get_many(self, keys: list[str]) -> list[Versioned | None]:
+        await self._enter()
+        if len(keys) > MAX_TXN_OPS:
+            raise ValueError(f"a transaction is limited to {MAX_TXN_OPS} reads")
+        return [Versioned(e.value, e.version) if (e := self._data.get(k)) else None for k in keys]
+
     async def txn(
         self,
         compares: dict[str, int],

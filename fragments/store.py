@@ -78,6 +78,16 @@ class MetadataStore(abc.ABC):
     async def create(self, key: str, value: bytes, lease: Lease | None = None) -> int | None:
         """Create-if-absent: the new version, or None if the key exists."""
 
+    async def create_all(self, items: dict[str, bytes], lease: Lease | None = None) -> int | None:
+        """Create every key of ``items`` if none of them exists, in one transaction (at most
+        etcd's ``--max-txn-ops``, 128, keys): the new revision, or None if any exists (then
+        nothing is written). Many create-if-absent claims in one round trip."""
+        raise NotImplementedError
+
+    async def get_many(self, keys: list[str]) -> list[Versioned | None]:
+        """The values of ``keys`` (at most 128) read at one revision, in one round trip."""
+        return [await self.get(k) for k in keys]
+
     async def cas(self, key: str, value: bytes, expected_version: int) -> int | None:
         """Write if the key is at ``expected_version`` (0: absent): new version, or None."""
         result = await self.txn({key: expected_version}, {key: value})

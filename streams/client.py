@@ -464,7 +464,8 @@ class ScrollClient:
 
 
 async def connect(metadata_url: str, *, security: ClientSecurity | None = None, add_timeout_s: float = 10.0,
-                  call_timeout_s: float = 10.0, max_entry_bytes: int = MAX_ENTRY_BYTES) -> ScrollClient:
+                  call_timeout_s: float = 10.0, max_entry_bytes: int = MAX_ENTRY_BYTES,
+                  batch_metadata: bool = False) -> ScrollClient:
     """Connect to a Scroll cluster through its metadata store (``etcd://host:port`` or ``memory://``).
 
     ``security``: TLS, client certificate and token for the bookies (``fragments.security``). A
@@ -473,10 +474,18 @@ async def connect(metadata_url: str, *, security: ClientSecurity | None = None, 
     The first connect in a process keeps buffers up to 64 MiB on malloc's heap (as bookies do,
     ``bookie.runtime.tune_malloc``): batches of ~1 MiB otherwise come from fresh mmaps, and the page
     faults of touching them cost more CPU than building them (measured: 25% of a producer's CPU).
-    ``SCROLL_MALLOC_TUNING=0`` leaves malloc alone."""
+    ``SCROLL_MALLOC_TUNING=0`` leaves malloc alone.
+
+    ``batch_metadata``: the metadata reads and transactions made in one event-loop turn go to the
+    store as one request (``fragments.batching.BatchingStore``): for a process that opens many
+    streams at once (the Kafka listener)."""
     if os.environ.get("SCROLL_MALLOC_TUNING", "1") != "0":
         tune_malloc()
     store = await open_store(metadata_url, security=security)  # etcd user/password and TLS, if given
+    if batch_metadata:
+        from fragments.batching import BatchingStore
+
+        store = BatchingStore(store)
     cluster = Cluster(store, add_timeout_s=add_timeout_s, call_timeout_s=call_timeout_s,
                       max_entry_bytes=max_entry_bytes, security=security)
     try:

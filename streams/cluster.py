@@ -44,6 +44,7 @@ class Cluster:
         self._known: dict[str, str] = {}  # bookie id -> address, kept after a bookie disappears
         self._clients: dict[str, BookieClient] = {}
         self._refreshed = 0.0
+        self._refreshing: asyncio.Future | None = None  # the listing of the bookies in flight
         self._tier = None  # the TierReader, once built
         self._tier_checked = -1e9  # monotonic time of the last look at the tier config (when absent)
         self._tier_lock = asyncio.Lock()
@@ -76,6 +77,12 @@ class Cluster:
     async def refresh_bookies(self, max_age_s: float = 0.0) -> list[BookieRegistration]:
         if max_age_s and time.monotonic() - self._refreshed < max_age_s:
             return list(self._regs.values())
+        if self._refreshing is None:  # callers at once (take-overs of many streams) share one listing
+            self._refreshing = asyncio.ensure_future(self._refresh_bookies())
+            self._refreshing.add_done_callback(lambda _f: setattr(self, "_refreshing", None))
+        return list(await asyncio.shield(self._refreshing))
+
+    async def _refresh_bookies(self) -> list[BookieRegistration]:
         regs = await live_bookies(self.store)
         self._regs = {r.bookie_id: r for r in regs}
         for r in regs:

@@ -41,7 +41,9 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
     listeners' certificates); ``on_start`` is given the server once it listens (tests look inside)."""
     from streams.client import connect
 
-    client = await connect(metadata_url, security=security)  # security: towards secured bookies
+    # security: towards secured bookies; batch_metadata: a first produce to (or a take-over of) many
+    # partitions sends its metadata reads and compare-and-sets together (fragments/batching.py)
+    client = await connect(metadata_url, security=security, batch_metadata=True)
     server = KafkaServer(Broker(client, broker_config), server_config)
     try:
         await server.start()

@@ -40,6 +40,12 @@ monotonic clock — conservative, since the store's TTL counts from when it rece
 and its keep-alive then finds the lease gone, drops every resource (``on_lost``) and registers
 again with a new lease. Even a zombie that appended before noticing would fail: its term is stale.
 
+Claims are batched: the claims made in one event-loop turn (a first produce to a new topic, or a
+survivor taking over a dead shim's partitions, claims hundreds at once) go to the store as one
+create-all-if-absent transaction per 128 keys (``MetadataStore.create_all``). Such a transaction
+writes nothing if any of its keys exists (another shim's, or ours from a previous lease); its
+claims are then made one by one, so each key is decided on its own, as a lone claim is.
+
 A ``Broker`` used as a library without being started (no registration) does not take part: it
 serves every partition it is asked for, as the single shim of phase 1 did.
 """
@@ -55,7 +61,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fragments.memstore import LeaseExpired
+from fragments.memstore import MAX_TXN_OPS, LeaseExpired
 from fragments.store import Lease, MetadataError, MetadataStore
 
 log = logging.getLogger(__name__)
@@ -146,6 +152,8 @@ class Ownership:
         self._claiming: dict[str, asyncio.Future] = {}  # resource -> the claim in flight
         self._brokers_cache: tuple[float, list[BrokerInfo]] = (0.0, [])
         self._listing: asyncio.Future | None = None  # the listing of the live shims in flight
+        self._claim_batch: list[tuple[str, Lease, asyncio.Future]] = []  # creates of this loop turn
+        self.claim_transactions = 0  # store round trips claims took (batched), for tests and metrics
         self.started = False
 
     @property
@@ -315,7 +323,7 @@ class Ownership:
         try:
             # create-if-absent: a key held by another live shim (or by our own previous lease,
             # until it expires) is left alone
-            created = await self.store.create(resource, str(self.node_id).encode(), lease=lease)
+            created = await self._create_batched(resource, lease)
         except LeaseExpired:
             return False
         if created is None or lease is not self._lease or not self.valid:
@@ -323,6 +331,53 @@ class Ownership:
         self.held.add(resource)
         log.info("node %d: claimed %s", self.node_id, resource)
         return True
+
+    def _create_batched(self, resource: str, lease: Lease) -> asyncio.Future:
+        """``store.create(resource, our node id, lease)``, sent with the other claims of this
+        loop turn (``_flush_claims``)."""
+        fut = asyncio.get_running_loop().create_future()
+        if not self._claim_batch:
+            asyncio.get_running_loop().call_soon(self._flush_claims)
+        self._claim_batch.append((resource, lease, fut))
+        return fut
+
+    def _flush_claims(self) -> None:
+        batch, self._claim_batch = self._claim_batch, []
+        by_lease: dict[int, list[tuple[str, Lease, asyncio.Future]]] = {}
+        for item in batch:
+            by_lease.setdefault(id(item[1]), []).append(item)
+        for items in by_lease.values():
+            for i in range(0, len(items), MAX_TXN_OPS):
+                asyncio.ensure_future(self._create_chunk(items[i:i + MAX_TXN_OPS]))
+
+    async def _create_chunk(self, items: list[tuple[str, Lease, asyncio.Future]]) -> None:
+        value = str(self.node_id).encode()
+        lease = items[0][1]
+        try:
+            self.claim_transactions += 1
+            if len(items) == 1:
+                results = [await self.store.create(items[0][0], value, lease=lease)]
+            else:
+                rev = await self.store.create_all({r: value for r, _, _ in items}, lease=lease)
+                if rev is not None:
+                    results = [rev] * len(items)
+                else:  # some key exists: decide each on its own
+                    self.claim_transactions += len(items)
+                    results = await asyncio.gather(*(self.store.create(r, value, lease=lease) for r, _, _ in items),
+                                                   return_exceptions=True)
+        except Exception as exc:  # noqa: BLE001 - every claim of the chunk fails with it
+            results = [exc] * len(items)
+        except BaseException:  # cancelled (shutdown): so are the claims
+            for _, _, fut in items:
+                fut.cancel()
+            raise
+        for (_, _, fut), res in zip(items, results):
+            if fut.done():
+                continue
+            if isinstance(res, BaseException):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
 
     async def release(self, resource: str) -> None:
         """Give ``resource`` up (its key is deleted so the preferred shim can claim it). If the

@@ -225,6 +225,8 @@ def _data_requests() -> dict[str, tuple[int, object]]:
         "LAC read": (wire.READ_LAC, lambda rid: wire.encode_read_lac(rid, LEDGER, -1, 0)),
         "long-poll LAC read": (wire.READ_LAC, lambda rid: wire.encode_read_lac(rid, LEDGER, 100, 2000)),
         "LAC write": (wire.WRITE_LAC, lambda rid: wire.encode_write_lac(rid, LEDGER, 1, 5, 5)),
+        "fence": (wire.FENCE, lambda rid: wire.encode_fence(rid, LEDGER, 99)),
+        "recovery read": (wire.RECOVERY_READ, lambda rid: wire.encode_recovery_read(rid, LEDGER, 1, 99)),
     }
 
 
