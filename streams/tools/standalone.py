@@ -43,6 +43,7 @@ from pathlib import Path
 
 import click
 
+from fragments import aioloop
 from fragments.security import redact_url
 
 from .localcluster import ClusterError, LocalCluster, Proc, _tail, _wait_port
@@ -702,7 +703,7 @@ def run(config: StandaloneConfig) -> None:
         await sa.run_forever(stop)
 
     try:
-        asyncio.run(main())
+        aioloop.run(main())
     finally:
         click.echo("stopping the Kafka listener, the bookies and etcd ...")
         sys.stdout.flush()
