@@ -59,6 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fragments import aioloop  # noqa: E402
 from streams.client import connect  # noqa: E402
 from streams.tools.localcluster import LocalCluster, free_port  # noqa: E402
 
@@ -716,8 +717,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.tail_child:
-        return asyncio.run(tail_child(args))
-    return asyncio.run(amain(args))
+        return aioloop.run(tail_child(args))
+    return aioloop.run(amain(args))  # uvloop unless SCROLL_EVENT_LOOP=asyncio (the bookies follow the same variable)
 
 
 @dataclass

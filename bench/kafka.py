@@ -63,11 +63,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fragments import aioloop  # noqa: E402
 from streams.client import connect  # noqa: E402
 from streams.tools.localcluster import LocalCluster, free_port  # noqa: E402
 
 GOAL_PRODUCE = 50_000
 GOAL_CONSUME = 100_000
+GOAL_VS_NATIVE = 0.9  # issue 26: Kafka produce records/s / the native producer's, same run
+GOAL_PACED_ABOVE_LINGER_MS = 2.0  # issue 26: paced delivery p50 <= the producer's linger.ms + this
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -118,6 +121,62 @@ async def reference(url: str, value_bytes: int, seconds: float) -> dict:
         await client.close()
 
 
+# ---------------------------------------------------------------- native: the streams producer, same records
+async def native(url: str, value_bytes: int, seconds: float, rate: float, paced_seconds: float) -> dict:
+    """The native producer on the same cluster: ``Producer.append_many`` calls of 2,000
+    ``value_bytes`` records, up to 20,000 in flight, for ``seconds`` (records/s acknowledged, as
+    bench/e2e.py's full speed); then ``append_future`` per record paced at ``rate`` for
+    ``paced_seconds`` (append latency: submit to acknowledgement, as e2e's fixed rate)."""
+    client = await connect(url)
+    try:
+        name = f"bench-native-{int(time.time())}"
+        await client.create_stream(name, 3, 3, 2)
+        p = await client.producer(name)
+        value = os.urandom(value_bytes)
+        chunk, window = 2000, 20_000
+        pending: set[asyncio.Future] = set()
+        done = [0]
+
+        def on_done(f: asyncio.Future) -> None:
+            pending.discard(f)
+            if not f.cancelled() and f.exception() is None:
+                done[0] += chunk
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < seconds:
+            if len(pending) * chunk >= window:
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            f = asyncio.ensure_future(p.append_many([value] * chunk))
+            pending.add(f)
+            f.add_done_callback(on_done)
+            await asyncio.sleep(0)
+        if pending:
+            await asyncio.wait(pending, timeout=60)
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        out = {"records": done[0], "records_per_s": done[0] / dt, "mb_per_s": done[0] * value_bytes / dt / 1e6,
+               "client_cpu_us_per_record": cpu / max(1, done[0]) * 1e6}
+        lat: list[float] = []
+        n = int(rate * paced_seconds)
+        futs = []
+        t0 = time.perf_counter()
+        for i in range(n):
+            ahead = t0 + i / rate - time.perf_counter()
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+            t = time.perf_counter()
+            f = await p.append_future(value)
+            f.add_done_callback(lambda _f, t=t: lat.append(time.perf_counter() - t))
+            futs.append(f)
+        await asyncio.gather(*futs)
+        out.update(paced_rate=rate, paced_p50_ms=pct(lat, 0.5) * 1000, paced_p99_ms=pct(lat, 0.99) * 1000)
+        await p.close()
+        await client.delete_stream(name)
+        return out
+    finally:
+        await client.close()
+
+
 # ---------------------------------------------------------------- the tailing consumer (a child process)
 def tail_consumer(bootstrap: str, topic: str, partitions: int, count: int, ready, out) -> None:
     from confluent_kafka import OFFSET_END, Consumer, TopicPartition
@@ -146,8 +205,11 @@ def produce(bootstrap: str, topic: str, partitions: int, records: int, value_byt
             rate: float | None = None, conf: dict | None = None) -> dict:
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
-                  "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 2_097_151, **(conf or {})})
+    settings = {"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
+                "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 2_097_151, **(conf or {})}
+    settings = {k: v for k, v in settings.items() if v is not None}  # None: librdkafka's default
+    p = Producer(settings)
+    linger_ms = float(settings.get("linger.ms", 5))  # librdkafka's default is 5 ms
     value = os.urandom(value_bytes)
     lat: list[float] = []
     errors = [0]
@@ -177,7 +239,7 @@ def produce(bootstrap: str, topic: str, partitions: int, records: int, value_byt
     dt = time.perf_counter() - t0
     return {"records": records, "seconds": dt, "records_per_s": records / dt,
             "mb_per_s": records * value_bytes / dt / 1e6, "errors": errors[0] + left,
-            "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000}
+            "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000, "linger_ms": linger_ms}
 
 
 def consume_all(bootstrap: str, topic: str, partitions: int, records: int, value_bytes: int,
@@ -476,6 +538,12 @@ def main() -> int:
     ap.add_argument("--ref-seconds", type=float, default=5.0)
     ap.add_argument("--rate", type=float, default=5000.0, help="records/s of the paced phase")
     ap.add_argument("--paced-seconds", type=float, default=5.0)
+    ap.add_argument("--paced-lingers", default="0,default",
+                    help="the paced phase once per producer linger.ms (comma-separated; 'default': librdkafka's)")
+    ap.add_argument("--native-seconds", type=float, default=5.0, help="the native producer's full-speed run")
+    ap.add_argument("--loops", default="",
+                    help="comma-separated event loops (uvloop,asyncio): run every phase once per loop, each on a "
+                         "fresh cluster (SCROLL_EVENT_LOOP for every process), and print the ratios")
     ap.add_argument("--profile", action="store_true", help="py-spy the shim during the produce phase")
     ap.add_argument("--py-spy", default="py-spy")
     ap.add_argument("--dir", default=None, help="cluster directory (default: a temp dir)")
@@ -497,6 +565,26 @@ def main() -> int:
         ap.error(f"unknown phases {sorted(unknown)}")
 
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-kafka-"))
+    loops = [x.strip() for x in args.loops.split(",") if x.strip()]
+    if not loops:
+        results = run_phases(args, phases, base)
+    else:
+        results = {"args": vars(args), "loops": {}}
+        keys = []
+        for i, loop in enumerate(loops):  # a loop named twice runs twice (A B A B: interleaved under load)
+            os.environ[aioloop.ENV] = loop  # every process started from here, and this one's loops
+            key = loop if loop not in keys else f"{loop}#{i}"
+            keys.append(key)
+            print(f"---- event loop {key}", flush=True)
+            results["loops"][key] = run_phases(args, phases, base / key)
+        _print_loop_ratios(results["loops"], keys)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def run_phases(args, phases: list[str], base: Path) -> dict:
+    base.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(base / "scroll", bookies=3).start()
     results: dict = {"args": vars(args), "load_avg_start": os.getloadavg()}
     try:
@@ -505,12 +593,27 @@ def main() -> int:
              "tls": phase_tls}[phase](args, cluster, base, results)
         results["load_avg_end"] = os.getloadavg()
         print(f"load average {results['load_avg_start'][0]:.2f} -> {results['load_avg_end'][0]:.2f}", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
     finally:
         cluster.stop()
         shutil.rmtree(base / "scroll", ignore_errors=True)  # the data; logs and profiles stay
-    return 0
+    return results
+
+
+def _print_loop_ratios(by_loop: dict, loops: list[str]) -> None:
+    """Each throughput figure of the first loop over the same figure of the others (same run)."""
+    first = by_loop[loops[0]]
+    figures = [("native records/s", ("native", "records_per_s")),
+               ("Kafka produce (no tail) records/s", ("produce_alone", "records_per_s")),
+               ("listener CPU µs/record (produce, no tail)", ("produce_alone", "shim_cpu_us_per_record")),
+               ("Kafka produce records/s", ("produce", "records_per_s")),
+               ("listener CPU µs/record (produce)", ("produce", "shim_cpu_us_per_record")),
+               ("bookies CPU µs/record (produce)", ("produce", "bookies_cpu_us_per_record")),
+               ("paced delivery p50 ms", ("paced", "p50_ms")), ("consume records/s", ("consume", "records_per_s"))]
+    for other in loops[1:]:
+        for label, (k1, k2) in figures:
+            a, b = first.get(k1, {}).get(k2), by_loop[other].get(k1, {}).get(k2)
+            if a is not None and b:
+                print(f"{label}: {loops[0]} {a:,.1f} / {other} {b:,.1f} = {a / b:.2f}", flush=True)
 
 
 def throughput(args, cluster, base: Path, results: dict) -> None:
@@ -534,16 +637,22 @@ def throughput(args, cluster, base: Path, results: dict) -> None:
         admin.create_topics([NewTopic(topic, num_partitions=args.partitions, replication_factor=1)])[topic].result(
             timeout=30)
 
-        results["reference"] = asyncio.run(reference(cluster.metadata_url, args.value_bytes, args.ref_seconds))
+        results["reference"] = aioloop.run(reference(cluster.metadata_url, args.value_bytes, args.ref_seconds))
         print(f"reference (streams client, {args.value_bytes} B entries): "
               f"{results['reference']['entries_per_s']:,.0f} appends/s, "
               f"{results['reference']['client_cpu_us_per_append']:.0f} µs client CPU per append", flush=True)
+        bookie_pids = [b.popen.pid for b in cluster.bookies]
+        b0 = sum(cpu_s(pid) for pid in bookie_pids)
+        results["native"] = nat = aioloop.run(native(cluster.metadata_url, args.value_bytes, args.native_seconds,
+                                                     args.rate, args.paced_seconds))
+        nat["bookies_cpu_us_per_record_incl_paced"] = (sum(cpu_s(pid) for pid in bookie_pids) - b0) / max(
+            1, nat["records"] + int(args.rate * args.paced_seconds)) * 1e6
+        print(f"native producer (streams client, append_many of 2,000 x {args.value_bytes} B, 20,000 in flight): "
+              f"{nat['records_per_s']:,.0f} records/s, {nat['client_cpu_us_per_record']:.1f} µs client CPU/record, "
+              f"bookies {nat['bookies_cpu_us_per_record_incl_paced']:.1f} µs/record (with the paced part); "
+              f"paced at {args.rate:,.0f}/s: append p50 {nat['paced_p50_ms']:.2f} ms p99 {nat['paced_p99_ms']:.2f} ms",
+              flush=True)
 
-        ctx = mp.get_context("spawn")
-        ready, out = ctx.Event(), ctx.Queue()
-        tail = ctx.Process(target=tail_consumer, args=(bootstrap, topic, args.partitions, args.records, ready, out))
-        tail.start()
-        ready.wait(60)
         def start_spy(phase: str) -> list:
             if not args.profile:
                 return []
@@ -557,12 +666,29 @@ def throughput(args, cluster, base: Path, results: dict) -> None:
                 sp.send_signal(2)
                 sp.wait(30)
 
-        spies = start_spy("produce")
         bookie_pids = [b.popen.pid for b in cluster.bookies]
 
         def bookies_cpu() -> float:
             return sum(cpu_s(pid) for pid in bookie_pids)
 
+        # the same produce with no consumer tailing the topic: what the native producer above does
+        spies = start_spy("produce-alone")
+        c0, b0 = cpu_s(shim.pid), bookies_cpu()
+        results["produce_alone"] = alone = produce(bootstrap, topic, args.partitions, args.records, args.value_bytes)
+        alone["shim_cpu_us_per_record"] = (cpu_s(shim.pid) - c0) / args.records * 1e6
+        alone["bookies_cpu_us_per_record"] = (bookies_cpu() - b0) / args.records * 1e6
+        stop_spy(spies)
+        print(f"produce (no tailing consumer): {alone['records_per_s']:,.0f} records/s, {alone['mb_per_s']:.1f} MB/s, "
+              f"delivery latency p50 {alone['p50_ms']:.1f} ms, errors {alone['errors']}, shim CPU "
+              f"{alone['shim_cpu_us_per_record']:.1f} µs/record, bookies {alone['bookies_cpu_us_per_record']:.1f} "
+              f"µs/record", flush=True)
+
+        ctx = mp.get_context("spawn")
+        ready, out = ctx.Event(), ctx.Queue()
+        tail = ctx.Process(target=tail_consumer, args=(bootstrap, topic, args.partitions, args.records, ready, out))
+        tail.start()
+        ready.wait(60)
+        spies = start_spy("produce")
         c0, b0 = cpu_s(shim.pid), bookies_cpu()
         results["produce"] = prod = produce(bootstrap, topic, args.partitions, args.records, args.value_bytes)
         prod["shim_cpu_us_per_record"] = (cpu_s(shim.pid) - c0) / args.records * 1e6
@@ -580,23 +706,32 @@ def throughput(args, cluster, base: Path, results: dict) -> None:
               f"p99 {results['tail']['e2e_p99_ms']:.1f} ms ({tail_res['received']} records received)", flush=True)
 
         paced_n = int(args.rate * args.paced_seconds)
-        if paced_n:
+        lingers = [x.strip() for x in args.paced_lingers.split(",") if x.strip()] if paced_n else []
+        results["paced_by_linger"] = {}
+        for linger in lingers:
+            conf = {} if linger == "default" else {"linger.ms": float(linger)}
+            if linger == "default":
+                conf["linger.ms"] = None  # drop the 5 ms produce() passes: librdkafka's own default
             ready, out = ctx.Event(), ctx.Queue()
             tail = ctx.Process(target=tail_consumer, args=(bootstrap, topic, args.partitions, paced_n, ready, out))
             tail.start()
             ready.wait(60)
-            results["paced"] = paced = produce(bootstrap, topic, args.partitions, paced_n, args.value_bytes,
-                                               rate=args.rate)
+            paced = produce(bootstrap, topic, args.partitions, paced_n, args.value_bytes, rate=args.rate, conf=conf)
+            results["paced_by_linger"][linger] = paced
+            results.setdefault("paced", paced)
             tail_res = out.get(timeout=120)
             tail.join(10)
-            paced.update(e2e_p50_ms=pct(tail_res["e2e_ms"], 0.5), e2e_p99_ms=pct(tail_res["e2e_ms"], 0.99))
-            print(f"paced at {args.rate:,.0f}/s: {paced['records_per_s']:,.0f} records/s, delivery latency p50 "
-                  f"{paced['p50_ms']:.1f} ms p99 {paced['p99_ms']:.1f} ms; end to end p50 {paced['e2e_p50_ms']:.1f} ms "
-                  f"p99 {paced['e2e_p99_ms']:.1f} ms", flush=True)
+            paced.update(e2e_p50_ms=pct(tail_res["e2e_ms"], 0.5), e2e_p99_ms=pct(tail_res["e2e_ms"], 0.99),
+                         linger_ms=paced["linger_ms"])
+            print(f"paced at {args.rate:,.0f}/s, linger.ms={linger} ({paced['linger_ms']:g}): "
+                  f"{paced['records_per_s']:,.0f} records/s, delivery latency p50 "
+                  f"{paced['p50_ms']:.1f} ms p99 {paced['p99_ms']:.1f} ms (p50 - linger.ms: "
+                  f"{paced['p50_ms'] - paced['linger_ms']:.1f} ms; native append p50 {nat['paced_p50_ms']:.2f} ms); "
+                  f"end to end p50 {paced['e2e_p50_ms']:.1f} ms p99 {paced['e2e_p99_ms']:.1f} ms", flush=True)
 
         spies = start_spy("consume")
         c0, b0 = cpu_s(shim.pid), bookies_cpu()
-        results["consume"] = cons = consume_all(bootstrap, topic, args.partitions, args.records + paced_n,
+        results["consume"] = cons = consume_all(bootstrap, topic, args.partitions, 2 * args.records + paced_n * len(lingers),
                                                 args.value_bytes)
         stop_spy(spies)
         cons["shim_cpu_us_per_record"] = (cpu_s(shim.pid) - c0) / max(1, cons["records"]) * 1e6
@@ -605,6 +740,16 @@ def throughput(args, cluster, base: Path, results: dict) -> None:
               f"({cons['records']} records), shim CPU {cons['shim_cpu_us_per_record']:.1f} µs/record, bookies "
               f"{cons['bookies_cpu_us_per_record']:.1f} µs/record", flush=True)
         results["load_avg_end"] = os.getloadavg()
+        ratio = alone["records_per_s"] / nat["records_per_s"]
+        results["produce_vs_native"] = ratio
+        results["tailed_produce_vs_native"] = prod["records_per_s"] / nat["records_per_s"]
+        paced_ok = all(r["p50_ms"] - r["linger_ms"] <= GOAL_PACED_ABOVE_LINGER_MS
+                       for r in results["paced_by_linger"].values())
+        print(f"issue 26: Kafka produce (no tail) / native producer records/s = {alone['records_per_s']:,.0f} / "
+              f"{nat['records_per_s']:,.0f} = {ratio:.2f} (goal >= {GOAL_VS_NATIVE}: "
+              f"{'met' if ratio >= GOAL_VS_NATIVE else 'NOT met'}); paced delivery p50 <= linger.ms + "
+              f"{GOAL_PACED_ABOVE_LINGER_MS:g} ms: {'met' if paced_ok else 'NOT met'}; tailed produce / native "
+              f"{results['tailed_produce_vs_native']:.2f}", flush=True)
         print(f"goals: produce >= {GOAL_PRODUCE:,}/s: {'met' if prod['records_per_s'] >= GOAL_PRODUCE else 'NOT met'}; "
               f"consume >= {GOAL_CONSUME:,}/s: {'met' if cons['records_per_s'] >= GOAL_CONSUME else 'NOT met'}; "
               f"load average {results['load_avg_start'][0]:.1f} -> {results['load_avg_end'][0]:.1f}")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import click
 
+from fragments import aioloop
 from fragments.registry import BookieRegistration, register_bookie
 from fragments.security import CLIENT_AUTH_MODES, BookieSecurity, SecurityConfigError, redact_url
 from fragments.store import MetadataError
@@ -103,7 +104,7 @@ def bookie_command(
         raise click.UsageError(str(exc)) from exc
     tune_malloc()
     try:
-        asyncio.run(_serve(config, host, port, metrics_port, metadata, rack, registration_ttl, data_port, security))
+        aioloop.run(_serve(config, host, port, metrics_port, metadata, rack, registration_ttl, data_port, security))
     except (BookieError, OSError, MetadataError) as exc:
         click.echo(f"bookie failed: {exc}", err=True)
         sys.exit(1)
@@ -128,7 +129,7 @@ async def _serve(config: BookieConfig, host: str, port: int, metrics_port: int |
     secured = ("tls" if sec.tls else "plaintext") + (f" client_auth={sec.client_auth}" if sec.tls else "") \
         + (" auth=required" if sec.auth_required else "")
     click.echo(f"bookie ready id={server.bookie_id} address={server.address} data_dir={config.data_dir} metrics={shown} "
-               f"data_port={server.data_port} security={secured.replace(' ', ',')}")
+               f"data_port={server.data_port} security={secured.replace(' ', ',')} loop={aioloop.loop_name()}")
     sys.stdout.flush()
     registrar = await _register(server, metadata, rack, ttl_s) if metadata else None
     reporter = asyncio.create_task(_report_space(server, registrar, ttl_s)) if registrar else None

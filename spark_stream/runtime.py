@@ -18,6 +18,7 @@ import atexit
 import os
 import threading
 
+from fragments import aioloop
 from fragments.security import NO_SECURITY, ClientSecurity
 from streams import client as aclient
 
@@ -25,7 +26,7 @@ from streams import client as aclient
 class Runtime:
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
+        self.loop = aioloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="scroll-spark", daemon=True)
         self.thread.start()
         self._clients: dict[tuple[str, ClientSecurity], aclient.ScrollClient] = {}

@@ -48,10 +48,20 @@ import struct
 import time
 from dataclasses import dataclass
 
+from aiokafka.record.default_records import DefaultRecordBatch
+
 from fragments.ledgers import BOOKIES, ROOT
 from fragments.store import MetadataError
 
-from .batches import COMPRESSION, OFF_LAST_DELTA, BatchBuilder, check_batch, normalise_headers, set_base_offset
+from .batches import (
+    COMPRESSION,
+    OFF_LAST_DELTA,
+    BatchBuilder,
+    RecordFormatError,
+    check_batch,
+    normalise_headers,
+    set_base_offset,
+)
 from .driver import ProducerOptions, WriterDriver
 from .errors import KeyRequired, PayloadTooLarge
 
@@ -253,6 +263,46 @@ class Producer:
         self._pump()
         return base, fut
 
+    def append_records(self, records: list) -> tuple[int, list[asyncio.Future]]:
+        """Queue the records of a plain record batch built elsewhere into the open batch, as
+        ``append_many`` does, so that small batches (a Kafka producer with a short linger sends one
+        per partition per request) share one entry instead of paying an entry each. Every record
+        keeps its timestamp, key, value and headers, and the order; the batch's own header
+        (compression, producer fields) is not kept, so the caller passes only uncompressed batches
+        without a producer id, not transactional, whose offsets have no gaps, and small enough that
+        each record fits an entry (it checked them, and waits for space itself). ``records``:
+        (timestamp_ms, key, value, headers) of each, decoded by the caller (``records_of_batch``) so
+        that a damaged batch is refused before any of it is queued. Returns (the offset of its first
+        record, the futures of the batches now holding its records: each resolves to that batch's
+        base offset once acknowledged)."""
+        if self._failure is not None:
+            raise self._failure
+        # the open batch is the next one sealed (append_batch seals it first): its base is next_offset
+        first = self.next_offset + (self._open.count if self._open is not None else 0)
+        futs: list[asyncio.Future] = []
+        b = self._open if self._open is not None else self._new_batch()
+        app, i = b.raw_append, b.count
+        for ts, key, value, headers in records:
+            if app(i, ts, key, value, headers) is None:
+                b.count = i
+                futs.append(self._open_fut)
+                self._seal()
+                self._pump()
+                b = self._new_batch()
+                app, i = b.raw_append, 0
+                if app(i, ts, key, value, headers) is None:
+                    raise AssertionError("an empty batch refused a record")
+            i += 1
+        b.count = i
+        futs.append(self._open_fut)
+        if b.size() >= self._batch_bytes:
+            self._seal()
+            self._pump()
+        elif not self._idle_scheduled:
+            self._idle_scheduled = True
+            self._loop.call_soon(self._on_idle)
+        return first, futs
+
     def has_space(self) -> bool:
         return self._has_space()
 
@@ -438,6 +488,15 @@ class Producer:
             await self._space.wait()
         if self._failure is not None:
             raise self._failure
+
+
+def records_of_batch(batch) -> list[tuple]:
+    """(timestamp_ms, key, value, headers) of every record of an uncompressed RecordBatch v2, for
+    ``Producer.append_records``. Raises RecordFormatError when a record cannot be decoded."""
+    try:
+        return [(r.timestamp, r.key, r.value, r.headers) for r in DefaultRecordBatch(batch)]
+    except Exception as exc:  # aiokafka's CorruptRecordException, or a struct error
+        raise RecordFormatError(f"a record of the batch cannot be decoded: {exc}") from exc
 
 
 def _note(parts: list, fut: asyncio.Future, first: int, n: int) -> None:

@@ -17,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from fragments import aioloop
+
 from . import client as aclient
 from .consumer import EARLIEST
 
 
 class _Loop:
     def __init__(self):
-        self.loop = asyncio.new_event_loop()
+        self.loop = aioloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="scroll-client", daemon=True)
         self.thread.start()
 

@@ -3,9 +3,9 @@ bindings CreateAcls/DeleteAcls make; listeners with `--acls` apply changes withi
 
 from __future__ import annotations
 
-import asyncio
-
 import click
+
+from fragments import aioloop
 
 from ..security.acls import AclBinding, AclFilter, InvalidAcl, Operation, PatternType, Permission, ResourceType
 from ..security.authorizer import Authorizer
@@ -25,7 +25,7 @@ def _run(metadata_url: str, fn):
         finally:
             await store.close()
 
-    return asyncio.run(main())
+    return aioloop.run(main())
 
 
 def _show(b: AclBinding) -> str:

@@ -7,12 +7,13 @@ does not answer) are printed as ``Error: ...`` with exit status 1.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
 
 import click
+
+from fragments import aioloop
 
 from ..groups.group_admin import AdminError, KafkaAdmin, parse_datetime_ms, parse_duration_ms
 from ..security.client_security import KafkaClientConfig
@@ -43,7 +44,7 @@ def _run(bootstrap: str, timeout: float, fn: Callable[[KafkaAdmin], Awaitable]):
             return await fn(admin)
 
     try:
-        return asyncio.run(main())
+        return aioloop.run(main())
     except AdminError as exc:
         raise click.ClickException(str(exc)) from None
 

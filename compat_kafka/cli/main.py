@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import click
 
+from fragments import aioloop
+
 from ..broker import Broker, BrokerConfig
 from ..quotas import QuotaConfig
 from ..security import sasl
@@ -41,6 +43,8 @@ async def serve(metadata_url: str, server_config: ServerConfig, broker_config: B
     listeners' certificates); ``on_start`` is given the server once it listens (tests look inside)."""
     from streams.client import connect
 
+    logging.getLogger(__name__).info("Kafka listener node %s: event loop %s", broker_config.node_id,
+                                     aioloop.loop_name())
     # security: towards secured bookies; batch_metadata: a first produce to (or a take-over of) many
     # partitions sends its metadata reads and compare-and-sets together (fragments/batching.py)
     client = await connect(metadata_url, security=security, batch_metadata=True)
@@ -222,7 +226,7 @@ def kafka_command(ctx: click.Context, metadata_url: str | None, host: str, port:
         except OSError as exc:
             raise click.BadParameter(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc}") from exc
     try:
-        asyncio.run(serve(metadata_url, server_config, broker_config, metrics=metrics, security=_bookie_security()))
+        aioloop.run(serve(metadata_url, server_config, broker_config, metrics=metrics, security=_bookie_security()))
     finally:
         if metrics is not None:
             metrics.close()
@@ -265,7 +269,7 @@ def _with_store(metadata_url: str, fn):
         finally:
             await store.close()
 
-    return asyncio.run(main())
+    return aioloop.run(main())
 
 
 _metadata_option = click.option("--metadata", "metadata_url", required=True, envvar="SCROLL_METADATA",

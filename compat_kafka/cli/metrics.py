@@ -13,12 +13,13 @@ and the groups it hid are left out of that scrape rather than failing the endpoi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from kio.schema.list_groups.v5 import ListGroupsRequest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+
+from fragments import aioloop
 
 from ..groups.group_admin import AdminError, GroupView, KafkaAdmin
 from ..security.client_security import KafkaClientConfig
@@ -38,7 +39,7 @@ class GroupLagCollector:
         return []  # no samples at registration time (the listener may not be serving yet)
 
     def collect(self):
-        views = asyncio.run(self._views())
+        views = aioloop.run(self._views())
         lag = GaugeMetricFamily("scroll_kafka_group_lag", "Log-end offset minus committed offset, per partition",
                                 labels=["group", "topic", "partition"])
         committed = GaugeMetricFamily("scroll_kafka_group_committed_offset", "Committed offset, per partition",

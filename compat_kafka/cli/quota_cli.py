@@ -4,9 +4,9 @@ within about a second."""
 
 from __future__ import annotations
 
-import asyncio
-
 import click
+
+from fragments import aioloop
 
 from .. import quotas
 
@@ -25,7 +25,7 @@ def _run(metadata_url: str, fn):
         finally:
             await store.close()
 
-    return asyncio.run(main())
+    return aioloop.run(main())
 
 
 def _entity(types: tuple[str, ...], names: tuple[str, ...], defaults: bool) -> list[tuple[str, str | None]]:

@@ -13,7 +13,13 @@ offsets of its own:
 - The first Produce opens it **writable**: the stream's ``Producer`` (a take-over, a new term) is
   then the one writer and learns the next offset from the last batch at or below the LAC. A
   produce batch (checked by ``compat_kafka.batches.split_batches``) is queued with
-  ``Producer.append_batch``, which assigns its base offset and writes it into the batch. The high
+  ``Producer.append_batch``, which assigns its base offset and writes it into the batch — except a
+  small plain one (no producer id, uncompressed, up to ``PartitionConfig.merge_batch_bytes``): its
+  records are decoded (a damaged one refuses the request whole) and queued into the producer's
+  open batch (``Producer.append_records``), which goes out as one entry when the loop is idle and
+  no entry is in flight, else when one is acknowledged; so under load the small batches of a Kafka
+  producer with a short linger share entries instead of paying a bookie entry each. Their records
+  keep offsets, keys, values, headers and timestamps; only the batch boundaries differ. The high
   watermark is the end offset of the last acknowledged batch (the producer's futures resolve in
   offset order, so it is exact without asking a bookie). When a fetch or ListOffsets finds the
   partition caught up, one LAC read tells whether another writer has taken the stream over since
@@ -64,26 +70,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streams.batches import ATTR_CONTROL, ATTR_TRANSACTIONAL, StoredBatch, records_of, stored_batch
+from streams.batches import (
+    ATTR_CONTROL,
+    ATTR_TRANSACTIONAL,
+    OFF_ATTRIBUTES,
+    OFF_COUNT,
+    RecordFormatError,
+    StoredBatch,
+    records_of,
+    stored_batch,
+)
 from streams.consumer import Consumer
 from streams.driver import ProducerOptions
 from streams.errors import DataRemovedError, PayloadTooLarge, StaleTermError, WriterWithdrawn
 from streams.offsets import next_batch, search_timestamp
-from streams.producer import Producer
+from streams.producer import Producer, records_of_batch
 from streams.topics import partition_stream
 
 from ..transactions.coordinator import PartitionTxns, TransactionCoordinatorFenced, control_batch, parse_marker
 from ..transactions.producer_ids import BatchRecord, ProducerStateTable, StateSnapshot, in_sequence, state_key
 from ..wire.batches import Batch, increment_sequence
-from ..wire.errors import InvalidProducerEpoch, NotLeaderOrFollower, OffsetOutOfRange, OutOfOrderSequenceNumber
+from ..wire.errors import (
+    CorruptMessage,
+    InvalidProducerEpoch,
+    NotLeaderOrFollower,
+    OffsetOutOfRange,
+    OutOfOrderSequenceNumber,
+)
 
 log = logging.getLogger(__name__)
 
-# The listener only appends whole batches (``append_batch``): the producer's own batching is idle,
-# and in-flight entries are bounded by the writer's limits rather than a small batch window.
+# The listener appends whole batches (``append_batch``) and the records of small plain ones
+# (``append_records``, ``PartitionConfig.merge_batch_bytes``): those accumulate in the producer's open
+# batch while an entry is in flight (its Nagle rule), so under load many small Kafka batches share
+# one entry. In-flight entries are bounded by the writer's limits rather than a small batch window.
+_I32 = struct.Struct(">i")
 LISTENER_PRODUCER = ProducerOptions(max_inflight_batches=100_000)
 _MAX_CURSORS = 4096
 
@@ -95,8 +120,14 @@ class PartitionConfig:
     snapshot_interval_s: float = 1.0  # producer-state snapshots (when batches were acknowledged since)
     max_state_scan_entries: int = 200_000  # entries scanned on open to rebuild producer state
     max_producers: int = 10_000  # producer ids remembered per partition (least recently written go)
+    # plain produce batches (no producer id, uncompressed) up to this size have their records queued
+    # into the producer's open batch (``Producer.append_records``): many small batches, one entry.
+    # Bigger ones (and every other batch) are stored as they came. 0: always as they came.
+    merge_batch_bytes: int = 64 << 10
 
     def __post_init__(self):
+        if self.merge_batch_bytes < 0:
+            raise ValueError(f"invalid partition config {self}")
         if self.max_read_entries < 1 or self.max_read_bytes < 1024:
             raise ValueError(f"invalid partition config {self}")
         if self.snapshot_interval_s <= 0 or self.max_state_scan_entries < 1 or self.max_producers < 1:
@@ -314,11 +345,12 @@ class PartitionLog:
             if not self.writable:
                 raise WriterWithdrawn(f"{self.stream}: opened read-only")
             dups = self._check_sequences(batches)
+            merged = [self._records_to_merge(b) if dup is None else None for b, dup in zip(batches, dups, strict=True)]
             first = None
             futures = []
             queued = 0
             p = self.producer
-            for b, dup in zip(batches, dups, strict=True):
+            for b, dup, recs in zip(batches, dups, merged, strict=True):
                 if dup is not None:
                     first = dup.base_offset if first is None else first
                     if dup.future is not None and not dup.future.done():
@@ -327,6 +359,13 @@ class PartitionLog:
                 try:
                     if not p.has_space():
                         await p.wait_for_space()
+                    if recs is not None:
+                        base, futs = p.append_records(recs)
+                        queued += 1
+                        first = base if first is None else first
+                        futs[-1].add_done_callback(self._acked_callback(base, b))  # its last record's batch
+                        futures.extend(futs)
+                        continue
                     base, fut = p.append_batch(b.raw)
                 except PayloadTooLarge:
                     if queued:  # part of the request is queued: our offsets may no longer match the log
@@ -343,6 +382,26 @@ class PartitionLog:
                 fut.add_done_callback(self._acked_callback(base, b))
                 futures.append(fut)
             return (p.next_offset if first is None else first), futures
+
+    def _records_to_merge(self, b: Batch) -> list | None:
+        """The records of a batch that may share an entry with others (``merge_batch_bytes``), or
+        None to store it as it came: small, no producer id (no sequence to keep per batch),
+        attributes all zero (uncompressed, CreateTime, neither transactional nor control), as many
+        records as offsets. Raises CorruptMessage (before anything of the request is queued) when a
+        record cannot be decoded."""
+        raw = b.raw
+        if not (b.producer_id < 0 and len(raw) <= self.config.merge_batch_bytes
+                and raw[OFF_ATTRIBUTES] == 0 and raw[OFF_ATTRIBUTES + 1] == 0
+                and _I32.unpack_from(raw, OFF_COUNT)[0] == b.offset_count):
+            return None
+        try:
+            recs = records_of_batch(raw)
+        except RecordFormatError as exc:
+            raise CorruptMessage(f"{self.topic} partition {self.partition}: {exc}") from exc
+        if len(recs) != b.offset_count:
+            raise CorruptMessage(f"{self.topic} partition {self.partition}: a batch says {b.offset_count} records "
+                                 f"and holds {len(recs)}")
+        return recs
 
     def _check_sequences(self, batches: list[Batch]) -> list[BatchRecord | None]:
         """Per batch: None to append it, or the stored batch it duplicates. Raises before anything

@@ -7,7 +7,8 @@ every transactional batch) and then stored as one stream entry through
 ``streams.producer.Producer.append_batch``, which writes the assigned base offset into the batch's
 baseOffset field (not covered by the CRC) — the one log format of every stream (``streams/batches.py``):
 an entry's payload *is* the RecordBatch. Compressed batches stay compressed; a Fetch serves the
-stored bytes as they are.
+stored bytes as they are. (Small plain batches have their records merged into shared entries
+instead: ``PartitionConfig.merge_batch_bytes`` in ``compat_kafka/partitions/partition.py``.)
 """
 
 from __future__ import annotations

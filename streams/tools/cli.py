@@ -22,6 +22,7 @@ from dataclasses import asdict
 
 import click
 
+from fragments import aioloop
 from fragments.security import redact_url
 
 DEFAULT_METADATA = "etcd://127.0.0.1:2379"
@@ -757,7 +758,6 @@ def demo(seeds: int, first_seed: int) -> None:
 # ---------------------------------------------------------------------------------------- admin helpers
 def _arun(metadata: str, fn):
     """Connect the async client, run ``fn(client)`` and close; errors become one clear line."""
-    import asyncio
 
     from fragments.retention import InvalidPolicy
     from fragments.store import MetadataError
@@ -780,7 +780,7 @@ def _arun(metadata: str, fn):
             await client.close()
 
     try:
-        return asyncio.run(go())
+        return aioloop.run(go())
     except (ScrollError, InvalidPolicy) as exc:
         raise _fail(exc) from exc
     except MetadataError as exc:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import click
 
+from fragments import aioloop
 from fragments.security import redact_url
 
 from .localcluster import ClusterError, LocalCluster, Proc, _tail, _wait_port
@@ -748,7 +749,7 @@ def run(config: StandaloneConfig) -> None:
         await sa.run_forever(stop)
 
     try:
-        asyncio.run(main())
+        aioloop.run(main())
     finally:
         click.echo("stopping the console, the Kafka listener, the bookies and etcd ...")
         sys.stdout.flush()

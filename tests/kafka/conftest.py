@@ -14,6 +14,7 @@ from compat_kafka.cli.main import serve
 from compat_kafka.groups.consumer_groups import ConsumerGroupConfig
 from compat_kafka.groups.coordinator import GroupConfig
 from compat_kafka.server import ServerConfig
+from fragments import aioloop
 from streams.tools.localcluster import LocalCluster, free_port
 
 # Consumer groups in tests: a short initial rebalance delay (Kafka's default is 3 s, ours 300 ms);
@@ -56,7 +57,7 @@ class ShimThread:
             await task
 
         try:
-            asyncio.run(main())
+            aioloop.run(main())  # the loop the listener process runs on (uvloop when installed)
         except BaseException as exc:  # surfaced by start()
             self._error = exc
             self._started.set()
