@@ -151,8 +151,13 @@ def _profile(procs: list[tuple[str, psutil.Process]], seconds: float, out_dir: P
     return tops
 
 
-def _top_frames(path: Path, n: int = 8) -> list[str]:
-    """The functions most often on the stack (inclusive samples), from py-spy's raw output."""
+_OURS = ("streams/", "bookie/", "compat_kafka/", "fragments/", "terms/", "aetcd/", "grpc/")
+
+
+def _top_frames(path: Path, n: int = 6) -> list[str]:
+    """From py-spy's raw output: the leaf functions (where the samples were) and our own functions
+    most often on the stack (inclusive), line numbers dropped."""
+    leaf: dict[str, int] = {}
     incl: dict[str, int] = {}
     total = 0
     for line in path.read_text().splitlines():
@@ -162,12 +167,14 @@ def _top_frames(path: Path, n: int = 8) -> list[str]:
         except ValueError:
             continue
         total += c
-        for fr in set(stack.split(";")):
-            if "asyncio/" in fr or "selectors" in fr or "<module>" in fr or "threading.py" in fr:
-                continue
-            incl[fr] = incl.get(fr, 0) + c
-    best = sorted(incl.items(), key=lambda kv: -kv[1])[:n]
-    return [f"{c:5d}/{total} {fr}" for fr, c in best]
+        frames = [re.sub(r":\d+\)$", ")", fr) for fr in stack.split(";")]
+        leaf[frames[-1]] = leaf.get(frames[-1], 0) + c
+        for fr in set(frames):
+            if any(o in fr for o in _OURS):
+                incl[fr] = incl.get(fr, 0) + c
+    out = [f"self  {c:5d}/{total} {fr}" for fr, c in sorted(leaf.items(), key=lambda kv: -kv[1])[:n]]
+    out += [f"incl  {c:5d}/{total} {fr}" for fr, c in sorted(incl.items(), key=lambda kv: -kv[1])[:n]]
+    return out
 
 
 def run_case(partitions: int, topics: int, settle: float, window: float, profile: float, keep: bool) -> dict:
