@@ -131,3 +131,45 @@ def test_stream_gauges_follow_the_metadata_store(cluster, tmp_path):
             await client.close()
 
     asyncio.run(main())
+
+
+def test_catalog_lists_again_when_its_watch_revision_was_compacted(cluster):
+    """etcd compacts the revision the catalog's watch starts from (between its listing and the
+    watch's creation, held there deterministically): the catalog lists again and misses nothing,
+    instead of watching "from now" without the changes in between."""
+    from fragments.ledgers import LedgerStore
+    from streams.catalog import StreamCatalog
+
+    class CompactedBeforeWatching:
+        """The real store; its first listing is followed, before the watch starts, by a new stream
+        and a compaction of etcd's history up to now."""
+
+        def __init__(self, store, name):
+            self._store, self._name, self.compacted = store, name, False
+
+        def __getattr__(self, attr):
+            return getattr(self._store, attr)
+
+        async def list_and_watch(self, prefix):
+            items, watch = await self._store.list_and_watch(prefix)
+            if not self.compacted:
+                self.compacted = True
+                await LedgerStore(self._store).create_ledger(self._name, LedgerConfig(1, 1, 1), ("bookie-x",))
+                await self._store._client.compact(await self._store.ping())
+            return items, watch
+
+    async def main():
+        client = await connect(cluster.metadata_url)
+        name = f"compacted-{uuid.uuid4().hex[:8]}"
+        catalog = StreamCatalog(CompactedBeforeWatching(client.cluster.store, name))
+        try:
+            await catalog.start()
+            assert name not in {m.name for m in catalog.streams()}  # created after the first listing
+            await _wait(lambda: name in {m.name for m in catalog.streams()}, timeout_s=10,
+                        what="the catalog to list again")
+            assert catalog.relists == 1
+        finally:
+            await catalog.close()
+            await client.close()
+
+    asyncio.run(main())
