@@ -568,7 +568,7 @@ class Standalone:
         next_retention = time.monotonic() + min(10.0, self.config.retention_interval_s)
         next_compaction = time.monotonic() + min(10.0, self.config.compaction_interval_s)
         next_tier = time.monotonic() + min(10.0, self.config.tier_interval_s)
-        next_bookie_metrics = 0.0
+        next_bookie_metrics = next_catalog_try = 0.0
         backoff_until = 0.0
         recovery = None
         if self.config.autorecovery:
@@ -585,7 +585,8 @@ class Standalone:
                     if restarted:
                         backoff_until = now + 2.0
                 self.update_process_metrics()
-                if self.catalog is None:
+                if self.catalog is None and now >= next_catalog_try:
+                    next_catalog_try = now + 5.0
                     await self.start_catalog(client)
                 if now >= next_bookie_metrics:
                     next_bookie_metrics = now + 10.0
