@@ -346,6 +346,12 @@ class Standalone:
         return out
 
     # ---------------------------------------------------------------- supervision
+    def children_alive(self) -> bool:
+        """Whether every child that should run does (a poll of each, no blocking)."""
+        procs = [self.cluster.etcd, *self.cluster.bookies, self.kafka,
+                 self.seaweed.proc if self.seaweed is not None else None]
+        return all(p.alive for p in procs if p is not None)
+
     def supervise_once(self) -> list[str]:
         """Restart any child that died; the names restarted."""
         restarted = []
@@ -580,7 +586,8 @@ class Standalone:
         try:
             while not stop.is_set():
                 now = time.monotonic()
-                if now >= backoff_until:
+                if now >= backoff_until and self.config.restart_children and not self.children_alive():
+                    # a restart waits for the child: in a thread (an idle check costs no thread hop)
                     restarted = await asyncio.to_thread(self.supervise_once)
                     if restarted:
                         backoff_until = now + 2.0
