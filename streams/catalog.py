@@ -59,6 +59,7 @@ class StreamCatalog:
         self._listeners: list[Callable[[int | None], None]] = []
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
+        self._closed = False
         self.relists = 0  # listings after the first (the watch ended with an error)
         self.events = 0  # watch events applied
 
@@ -105,14 +106,18 @@ class StreamCatalog:
         self._task = asyncio.create_task(self._follow(watch), name="stream-catalog")
 
     async def close(self) -> None:
+        self._closed = True
         task, self._task = self._task, None
-        if task is not None:
+        while task is not None and not task.done():
+            # cancelled again until it ends: a store call that retries may swallow one cancellation
             task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+        if task is not None and not task.cancelled():
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                task.result()
 
     async def _follow(self, watch) -> None:
-        while True:
+        while not self._closed:
             try:
                 async for event in watch:
                     self._apply(event)
@@ -123,6 +128,8 @@ class StreamCatalog:
                 with contextlib.suppress(Exception):
                     await watch.aclose()
             for attempt in range(10**9):
+                if self._closed:
+                    return
                 try:
                     items, watch = await self.store.list_and_watch(LEDGERS)
                     break
