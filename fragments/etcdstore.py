@@ -68,6 +68,7 @@ from fragments.store import (
     MetadataUnavailable,
     TxnResult,
     Versioned,
+    WatchCompacted,
     WatchEvent,
 )
 
@@ -511,8 +512,9 @@ class _WatchStream:
 class _EtcdWatch:
     """An async iterator over an etcd watch, created on the first read from a known revision."""
 
-    def __init__(self, store: EtcdStore, prefix: str, start_revision: int | None) -> None:
+    def __init__(self, store: EtcdStore, prefix: str, start_revision: int | None, *, strict: bool = False) -> None:
         self.prefix = prefix
+        self._strict = strict  # a compacted start revision raises WatchCompacted (the owner lists again)
         self._store = store
         self._start_revision = start_revision
         self._last_revision = 0  # of the last event delivered: a re-created watch starts after it
@@ -528,6 +530,9 @@ class _EtcdWatch:
         except MetadataError as e:
             if not isinstance(e.__cause__, aetcd.RevisionCompactedError):
                 raise
+            if self._strict:
+                raise WatchCompacted(f"etcd watch on {self.prefix!r}: revision {self._start_revision} compacted") \
+                    from e
             # the history since our last observed revision is gone: the best we can do is "now"
             log.warning("etcd watch on %r: revision %s compacted, watching from now", self.prefix, self._start_revision)
             self._watch = await store._call(lambda: store._open_watch(key, end, None), "watch")
@@ -976,6 +981,10 @@ class EtcdStore(MetadataStore):
 
     async def list_prefix(self, prefix: str) -> list[tuple[str, Versioned]]:
         """One consistent snapshot of the prefix, read in pages of ``LIST_PAGE`` keys."""
+        return (await self._list(prefix))[0]
+
+    async def _list(self, prefix: str) -> tuple[list[tuple[str, Versioned]], int]:
+        """The snapshot and the revision it was read at."""
         start, end = self._range(prefix)
         await self._call(lambda: self._client.connect(), "connect")
         client = self._client
@@ -990,8 +999,16 @@ class EtcdStore(MetadataStore):
             self._observe(revision)
             out.extend((self._strip(kv.key), Versioned(kv.value, kv.mod_revision)) for kv in resp.kvs)
             if not resp.more or not resp.kvs:
-                return out
+                return out, revision
             start = resp.kvs[-1].key + b"\0"
+
+    async def list_and_watch(self, prefix: str) -> tuple[list[tuple[str, Versioned]], AsyncIterator[WatchEvent]]:
+        """The listing, and a watch from exactly the revision after it (a compacted one raises
+        ``WatchCompacted`` rather than silently watching from now)."""
+        if self._closed:
+            raise StoreClosed(f"the metadata store {self.url} is closed")
+        items, revision = await self._list(prefix)
+        return items, _EtcdWatch(self, prefix, revision + 1, strict=True)
 
     def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
         if self._closed:

@@ -34,6 +34,13 @@ class MetadataAuthError(MetadataError):
     retriable = False
 
 
+class WatchCompacted(MetadataError):
+    """A watch asked for changes from a revision the store no longer keeps (etcd compacted it): the
+    watcher must list again and watch from the new listing."""
+
+    retriable = True
+
+
 @dataclass(frozen=True, slots=True)
 class Versioned:
     value: bytes
@@ -114,6 +121,19 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def watch_prefix(self, prefix: str) -> AsyncIterator[WatchEvent]:
         """Changes under ``prefix`` from now on, in order, until the iterator is closed."""
+
+    async def list_and_watch(self, prefix: str) -> tuple[list[tuple[str, Versioned]], AsyncIterator[WatchEvent]]:
+        """Every key under ``prefix`` and a watch reporting every change made after that listing.
+        The watch may also report changes the listing already holds (a key's version tells them
+        apart: skip an event whose version is not above the version known for its key). It may end
+        with ``WatchCompacted`` or another ``MetadataError``: list and watch again then."""
+        watch = self.watch_prefix(prefix)  # registered before the listing: nothing falls in between
+        try:
+            items = await self.list_prefix(prefix)
+        except BaseException:
+            await watch.aclose()
+            raise
+        return items, watch
 
     @abc.abstractmethod
     async def grant_lease(self, ttl_s: float) -> Lease: ...

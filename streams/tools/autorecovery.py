@@ -48,8 +48,9 @@ Throttling: ``max_bytes_per_s`` (a token bucket in front of every batch of copie
 ``max_fragments_in_flight`` (fragments repaired at once by one worker). An item whose repair fails
 (no bookie to place on, a source copy missing) keeps its error and is retried with a back-off.
 
-Idle cost: one lease kept alive, watches on the registry, the auditor key and the to-do list, and
-a re-list of the registry and to-do list every ``relist_s`` as a safety net. Streams are listed only
+Idle cost: one lease kept alive, watches on the registry (a bookie appearing or going wakes the
+auditor; a registration rewritten in place does not), the auditor key and the to-do list, and a
+re-list of the registry and to-do list every ``relist_s`` as a safety net. Streams are listed only
 when a bookie has been lost for the delay.
 """
 
@@ -180,7 +181,7 @@ class AutoRecovery:
         self._lease = await self.store.grant_lease(self.config.lease_ttl_s)
         tasks = [asyncio.create_task(t, name=f"{self.id}-{n}") for n, t in (
             ("lease", self._keepalive()), ("election", self._election()), ("worker", self._worker()),
-            ("registry-watch", self._watch(BOOKIES, self._audit_wake)),
+            ("registry-watch", self._watch(BOOKIES, self._audit_wake, presence_only=True)),
             ("todo-watch", self._watch(UNDER, self._work_wake)))]
         try:
             await stop.wait()
@@ -208,12 +209,23 @@ class AutoRecovery:
             except MetadataError as exc:
                 log.warning("%s: keeping the lease alive failed: %s", self.id, exc)
 
-    async def _watch(self, prefix: str, wake: asyncio.Event) -> None:
+    async def _watch(self, prefix: str, wake: asyncio.Event, *, presence_only: bool = False) -> None:
+        """Wake on every change under ``prefix``; ``presence_only``: only when a key appears or goes
+        (the registry: a bookie rewriting its registration, e.g. its free bytes, is no news to the
+        auditor, and waking it cost a pass of five listings every 30 s per bookie)."""
+        present: set[str] = set()
         while True:
             try:
                 watch = self.store.watch_prefix(prefix)
                 try:
-                    async for _ev in watch:
+                    async for ev in watch:
+                        if presence_only:
+                            if ev.value is None:
+                                present.discard(ev.key)
+                            elif ev.key not in present:
+                                present.add(ev.key)
+                            else:
+                                continue
                         wake.set()
                 finally:
                     await watch.aclose()

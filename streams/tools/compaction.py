@@ -159,13 +159,32 @@ def _parse_data_name(name: str) -> tuple[int, int, str] | None:
         return None
 
 
+def wanted(meta: LedgerMeta) -> bool:
+    """Whether a run can do anything for this stream, judged from its meta record alone (a
+    scheduler's choice: ``scroll standalone`` compacts only these): its policy does not parse (the
+    run reports it), or it compacts (or was compacted) and has a pass's leftovers to clean or a
+    sealed fragment before the last (only those are ever cleanable)."""
+    if is_data_ledger(meta.name):
+        return False
+    try:
+        policy = CompactionPolicy.from_dict(meta.retention)
+    except InvalidCompactionPolicy:
+        return True
+    state = meta.retention.get(COMPACTION) or {}
+    if not policy.compact and not state:
+        return False
+    return bool(state.get("superseded")) or meta.last_fragment_index > meta.first_fragment_index
+
+
 async def run_compaction(client, stream: str | None = None, dry_run: bool = False, *, force: bool = False,
                          now_ms: int | None = None, grace_s: float = GRACE_S, claim_ttl_s: float = CLAIM_TTL_S,
-                         metas: list[LedgerMeta] | None = None, _fault=None) -> CompactionReport:
+                         metas: list[LedgerMeta] | None = None, names: set[str] | None = None,
+                         _fault=None) -> CompactionReport:
     """Compact every stream whose policy says ``compact`` (or only ``stream``), when due (``force``:
     whatever the dirty ratio), and sweep data ledgers nothing references. ``metas``: every ledger
-    record as the caller just listed them (``scroll standalone`` lists them for its metrics anyway),
-    else they are listed here. ``_fault(step)`` is a test hook called after each step ("claimed",
+    record as the caller knows them (``scroll standalone``: its watched catalog), else they are listed
+    here. ``names``: compact only these streams (a scheduler's choice, see ``wanted``); the sweep of
+    data ledgers still looks at every record of ``metas``. ``_fault(step)`` is a test hook called after each step ("claimed",
     "written", "switched a chunk", "switched", "trimmed") that may raise to simulate a crash there."""
     ledgers: LedgerStore = client.cluster.ledgers
     if stream is not None:
@@ -175,7 +194,7 @@ async def run_compaction(client, stream: str | None = None, dry_run: bool = Fals
             raise NoSuchStream(f"no stream named {stream!r}") from None
     else:
         metas = await ledgers.list_ledgers() if metas is None else metas
-        targets = [m for m in metas if not is_data_ledger(m.name)]
+        targets = [m for m in metas if not is_data_ledger(m.name) and (names is None or m.name in names)]
     reports = []
     for m in targets:
         try:

@@ -180,16 +180,33 @@ async def _floor_values(client, meta: LedgerMeta, floors: list[tuple[str, Floor]
 
 
 # ------------------------------------------------------------------------------------ the job
+def wanted(meta: LedgerMeta) -> bool:
+    """Whether a run can do anything for this stream, judged from its meta record alone (a
+    scheduler's choice: ``scroll standalone`` runs only these). True when a removal is half done
+    (its mark), when the policy does not parse (the run reports it), or when the policy can remove
+    something and the stream has a fragment that may go: the last fragment never goes, so a stream
+    of one fragment has nothing to remove whatever its policy."""
+    if meta.retention.get(DELETING) is not None:
+        return True
+    try:
+        policy = Policy.from_dict(_policy_part(meta.retention))
+    except InvalidPolicy:
+        return True
+    return policy.active and meta.last_fragment_index > meta.first_fragment_index
+
+
 async def run_retention(client, stream: str | None = None, dry_run: bool = False, progress: Progress | None = None,
                         *, floors: list[tuple[str, Floor]] | None = None, now_ms: int | None = None,
+                        names: list[str] | None = None,
                         _fault: Callable[[str], None] | None = None) -> RetentionReport:
-    """Apply every stream's retention policy (or only ``stream``'s). ``floors``: None loads the
+    """Apply every stream's retention policy (or only ``stream``'s, or only those of ``names``: a
+    scheduler that knows which streams can need it, see ``wanted``). ``floors``: None loads the
     entry point group. ``_fault`` is a test hook called after each phase ("marked", "trimmed",
     "trimmed:<bookie>") that may raise to simulate a crash there."""
     floors = load_floors() if floors is None else floors
     if stream is not None:
         names = [stream]
-    else:
+    elif names is None:
         names = [m.name for m in await client.list_streams()]
     reports = []
     for i, name in enumerate(names):

@@ -216,7 +216,8 @@ class Standalone:
         self._tier_runs = 0
         self.restarts: dict[str, int] = {}
         self._metrics = None
-        self._listed: tuple[float, list | None] = (0.0, None)  # (when, every ledger record) of the last listing
+        self.catalog = None  # the watched StreamCatalog while run_forever runs (streams/catalog.py)
+        self._gauged: dict[int, str] = {}  # ledger id -> stream name of every scroll_stream_bytes label set
         self._metrics_server = None
         self._registry = None  # the metrics' CollectorRegistry (autorecovery adds its own to it)
         self.autorecovery = None  # the AutoRecovery instance while run_forever runs
@@ -385,6 +386,12 @@ class Standalone:
         return out
 
     # ---------------------------------------------------------------- supervision
+    def children_alive(self) -> bool:
+        """Whether every child that should run does (a poll of each, no blocking)."""
+        procs = [self.cluster.etcd, *self.cluster.bookies, self.kafka,
+                 self.seaweed.proc if self.seaweed is not None else None]
+        return all(p.alive for p in procs if p is not None)
+
     def supervise_once(self) -> list[str]:
         """Restart any child that died; the names restarted."""
         restarted = []
@@ -478,20 +485,59 @@ class Standalone:
             self._metrics["up"].labels(p.name).set(1 if p.alive else 0)
             self._metrics["restarts"].labels(p.name).set(self.restarts.get(p.name, 0))
 
-    async def update_stream_metrics(self, client) -> None:
+    async def update_bookie_metrics(self, client) -> None:
         if self._metrics is None:
+            return
+        self._metrics["bookies"].set(len(await client.live_bookies()))
+
+    def on_catalog_change(self, ledger_id: int | None) -> None:
+        """Keep ``scroll_streams`` and ``scroll_stream_bytes`` from the catalog's watch: one ledger
+        changed (``ledger_id``), or everything may have (None: a fresh listing)."""
+        if self._metrics is None or self.catalog is None:
             return
         from .compaction import is_data_ledger
 
-        every = await client.cluster.ledgers.list_ledgers()
-        self._listed = (time.monotonic(), every)  # the compaction run takes it instead of listing again
-        metas = [m for m in every if not is_data_ledger(m.name)]
-        self._metrics["streams"].set(len(metas))
-        for meta in metas:
-            frags = await client.cluster.ledgers.fragments(meta.ledger_id, meta.first_fragment_index,
-                                                           meta.last_fragment_index)
-            self._metrics["stream_bytes"].labels(meta.name).set(sum(f.size_bytes or 0 for f in frags))
-        self._metrics["bookies"].set(len(await client.live_bookies()))
+        gauge = self._metrics["stream_bytes"]
+        ids = list(self._gauged) + [m.ledger_id for m in self.catalog.metas()] if ledger_id is None else [ledger_id]
+        for lid in dict.fromkeys(ids):
+            meta = self.catalog.meta(lid)
+            old = self._gauged.get(lid)
+            if meta is None or is_data_ledger(meta.name):
+                if old is not None:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(old)
+                    del self._gauged[lid]
+                continue
+            if old is not None and old != meta.name:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(old)
+            self._gauged[lid] = meta.name
+            gauge.labels(meta.name).set(self.catalog.stream_bytes(lid))
+        self._metrics["streams"].set(len(self._gauged))
+
+    async def start_catalog(self, client) -> bool:
+        """Start the watched catalog (one listing, then one watch); False (logged) if the store
+        cannot be listed now: the jobs list for themselves meanwhile and the next loop tries again."""
+        from ..catalog import StreamCatalog
+
+        catalog = StreamCatalog(client.cluster.store)
+        try:
+            await catalog.start()
+        except Exception as exc:  # noqa: BLE001 - retried by the loop; the platform keeps running
+            log.warning("stream catalog: cannot list the metadata store yet: %s", exc)
+            return False
+        self.catalog = catalog
+        catalog.subscribe(self.on_catalog_change)
+        self.on_catalog_change(None)
+        return True
+
+    def _known(self, wanted) -> tuple[list | None, list[str] | None]:
+        """(every ledger record, the streams a job can act on) from the catalog; (None, None) when
+        there is no catalog yet (the job lists the store itself)."""
+        if self.catalog is None:
+            return None, None
+        metas = self.catalog.metas()
+        return metas, [m.name for m in metas if wanted(m)]
 
     # ---------------------------------------------------------------- the foreground loop
     def banner(self) -> str:
@@ -575,7 +621,7 @@ class Standalone:
         next_retention = time.monotonic() + min(10.0, self.config.retention_interval_s)
         next_compaction = time.monotonic() + min(10.0, self.config.compaction_interval_s)
         next_tier = time.monotonic() + min(10.0, self.config.tier_interval_s)
-        next_stream_metrics = 0.0
+        next_bookie_metrics = next_catalog_try = 0.0
         backoff_until = 0.0
         recovery = None
         if self.config.autorecovery:
@@ -587,17 +633,21 @@ class Standalone:
         try:
             while not stop.is_set():
                 now = time.monotonic()
-                if now >= backoff_until:
+                if now >= backoff_until and self.config.restart_children and not self.children_alive():
+                    # a restart waits for the child: in a thread (an idle check costs no thread hop)
                     restarted = await asyncio.to_thread(self.supervise_once)
                     if restarted:
                         backoff_until = now + 2.0
                 self.update_process_metrics()
-                if now >= next_stream_metrics:
-                    next_stream_metrics = now + 10.0
+                if self.catalog is None and now >= next_catalog_try:
+                    next_catalog_try = now + 5.0
+                    await self.start_catalog(client)
+                if now >= next_bookie_metrics:
+                    next_bookie_metrics = now + 10.0
                     try:
-                        await self.update_stream_metrics(client)
+                        await self.update_bookie_metrics(client)
                     except Exception as exc:  # noqa: BLE001 - metrics must never stop the platform
-                        log.debug("stream metrics: %s", exc)
+                        log.debug("bookie metrics: %s", exc)
                 if now >= next_retention:
                     next_retention = now + self.config.retention_interval_s
                     await self.retention_once(client)
@@ -615,16 +665,20 @@ class Standalone:
                     recovery.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await recovery
+            catalog, self.catalog = self.catalog, None
+            if catalog is not None:
+                await catalog.close()
             with contextlib.suppress(Exception):
                 await client.close()
 
     async def retention_once(self, client) -> None:
         try:
-            from .retention import run_retention
+            from .retention import run_retention, wanted
         except ImportError:  # pragma: no cover - the job ships with streams
             return
+        _metas, names = self._known(wanted)
         try:
-            report = await run_retention(client)
+            report = await run_retention(client, names=names)
         except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
             log.warning("retention run failed: %s", exc)
             if self._metrics:
@@ -640,13 +694,11 @@ class Standalone:
 
 
     async def compaction_once(self, client) -> None:
-        from .compaction import run_compaction
+        from .compaction import run_compaction, wanted
 
-        listed_at, metas = self._listed
-        if time.monotonic() - listed_at > 30.0:
-            metas = None  # not listed lately (no metrics endpoint): the run lists them
+        metas, names = self._known(wanted)
         try:
-            report = await run_compaction(client, metas=metas)
+            report = await run_compaction(client, metas=metas, names=None if names is None else set(names))
         except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
             log.warning("compaction run failed: %s", exc)
             if self._metrics:
@@ -666,17 +718,16 @@ class Standalone:
 
 
     async def tier_once(self, client) -> None:
-        from .tier import run_tier
+        from .tier import run_tier, wanted
 
-        listed_at, metas = self._listed
-        if time.monotonic() - listed_at > 30.0:
-            metas = None
+        metas, names = self._known(wanted)
         self._tier_runs += 1
         # the sweep lists every object: once per SWEEP_EVERY_S (its grace is longer anyway)
         sweep = self._tier_runs == 1 or self._tier_runs * self.config.tier_interval_s % SWEEP_EVERY_S < \
             self.config.tier_interval_s
         try:
-            report = await run_tier(client, metas=metas, sweep_objects=sweep)
+            report = await run_tier(client, metas=metas, names=None if names is None else set(names),
+                                    sweep_objects=sweep)
         except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
             log.warning("offload run failed (bookie copies kept): %s", exc)
             if self._metrics:

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from bookie.errors import BookieError
 from fragments import tier as tierpolicy
 from fragments.ledgers import LedgerStore, NoSuchLedger
-from fragments.model import Fragment, LedgerMeta
+from fragments.model import Fragment, LedgerMeta, LedgerStatus
 from fragments.retention import InvalidPolicy
 from fragments.retention import Policy as RetentionPolicy
 from fragments.store import MetadataError
@@ -129,13 +129,31 @@ async def object_store_of(client) -> ObjectStore | None:
 
 
 # ------------------------------------------------------------------------------------ the job
+def wanted(meta: LedgerMeta) -> bool:
+    """Whether a run can do anything for this stream, judged from its meta record alone (a
+    scheduler's choice: ``scroll standalone`` offloads only these): its policy does not parse (the
+    run reports it), or remote storage is on and it has a sealed fragment (one before the last, or
+    a closed stream's last)."""
+    if is_data_ledger(meta.name):
+        return False
+    try:
+        policy = TierPolicy.from_dict(meta.retention)
+    except tierpolicy.InvalidTierPolicy:
+        return True
+    return policy.remote_storage_enable and (meta.last_fragment_index > meta.first_fragment_index
+                                             or meta.status == LedgerStatus.CLOSED)
+
+
 async def run_tier(client, stream: str | None = None, dry_run: bool = False, *, objects: ObjectStore | None = None,
                    now_ms: int | None = None, grace_s: float = GRACE_S, intent_ttl_s: float = INTENT_TTL_S,
-                   metas: list[LedgerMeta] | None = None, sweep_objects: bool = True, _fault=None) -> TierReport:
+                   metas: list[LedgerMeta] | None = None, names: set[str] | None = None,
+                   sweep_objects: bool = True, _fault=None) -> TierReport:
     """Offload and release what the streams' tier policies ask for (or only ``stream``'s), then
     sweep unreferenced objects. ``objects``: the object store (default: the cluster's, from its
     metadata). ``sweep_objects``: also list the store and delete unreferenced objects (a whole-cluster
-    run only; a LIST of every object, so schedulers do it less often). ``_fault(step, fragment)`` is a test hook called at each step ("intent", "putting" (just
+    run only; a LIST of every object, so schedulers do it less often). ``metas``: every ledger record as
+    the caller knows them (else listed here); ``names``: offload only these streams (a scheduler's
+    choice, see ``wanted``). ``_fault(step, fragment)`` is a test hook called at each step ("intent", "putting" (just
     before the PUT), "put", "offloaded", "released", "trimmed"); it may raise, or block, to simulate a
     crash there."""
     ledgers: LedgerStore = client.cluster.ledgers
@@ -147,12 +165,12 @@ async def run_tier(client, stream: str | None = None, dry_run: bool = False, *, 
             raise NoSuchStream(f"no stream named {stream!r}") from None
     else:
         metas = await ledgers.list_ledgers() if metas is None else metas
-        targets = [m for m in metas if not is_data_ledger(m.name)]
+        targets = [m for m in metas if not is_data_ledger(m.name) and (names is None or m.name in names)]
     if objects is None:
-        wanted = [m.name for m in targets if TierPolicy.from_dict(_safe(m.retention)).remote_storage_enable]
-        if wanted:
+        asked = [m.name for m in targets if TierPolicy.from_dict(_safe(m.retention)).remote_storage_enable]
+        if asked:
             log.warning("remote storage is on for %d stream(s) (%s) but the cluster has no object store "
-                        "configured: nothing offloaded", len(wanted), ", ".join(wanted[:5]))
+                        "configured: nothing offloaded", len(asked), ", ".join(asked[:5]))
         return TierReport([], dry_run, configured=False)
     reports = []
     for m in targets:
