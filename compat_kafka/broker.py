@@ -35,6 +35,7 @@ import functools
 import itertools
 import logging
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -902,10 +903,11 @@ class Broker:
     # ---------------------------------------------------------------- Fetch
     async def fetch(self, req, resp_cls):
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.perf_counter()  # not loop.time(): uvloop's is cached per loop turn, in ms
         wait_s = min(max(req.max_wait.total_seconds(), 0.0), self.config.max_fetch_wait_ms / 1000)
         deadline = loop.time() + wait_s
         max_bytes = max(1, min(req.max_bytes, self.config.max_fetch_bytes))
+        window_bytes = None
         if self.quotas.quotas:  # as Kafka: a fetch asks for no more than its quota allows in a window
             window_bytes = self.quotas.max_in_window(FETCH, authorizer.principal().partition(":")[2],
                                                      codec.current_client_id())
@@ -934,7 +936,7 @@ class Broker:
             if not full:  # the session's partitions, at their cached offsets
                 wanted = [(tp, c.fetch_offset, c.max_bytes) for tp, c in session.partitions.items()]
         codec.effects_applied()  # the session is updated; reads change nothing
-        handled_s = loop.time() - started  # the request quota's share (the long poll excluded)
+        handled_s = time.perf_counter() - started  # the request quota's share (the long poll excluded)
         jobs: dict[str, list[tuple[int, int, int]]] = {}
         for (topic, index), offset, part_max in wanted:
             jobs.setdefault(topic, []).append((index, offset, part_max))
@@ -962,7 +964,8 @@ class Broker:
                         await w
         if resp_cls.__version__ < 4:  # v0-3 clients read magic 0 (v0-1) / 1 (v2-3) messages only
             rows = self._down_convert(rows, {tp: off for tp, off, _max in wanted}, 0 if resp_cls.__version__ < 2 else 1)
-        throttle_s, empty = self._fetch_quotas(sum(len(p[1]) for _t, parts in rows for p in parts), handled_s)
+        throttle_s, empty = self._fetch_quotas(sum(len(p[1]) for _t, parts in rows for p in parts), handled_s,
+                                                window_bytes)
         throttle_ms = datetime.timedelta(milliseconds=int(throttle_s * 1000)) if throttle_s > 0 else ZERO_MS
         if empty:  # Kafka's throttled answer: no partitions; a new session is not kept (the client opens another)
             if session is not None and full:
@@ -986,12 +989,14 @@ class Broker:
         return build(resp_cls, throttle_time=throttle_ms, error_code=ErrorCode.none,
                      session_id=session.id if session is not None else 0, responses=topics)
 
-    def _fetch_quotas(self, size: int, handled_s: float) -> tuple[float, bool]:
+    def _fetch_quotas(self, size: int, handled_s: float, window_bytes: float | None) -> tuple[float, bool]:
         """A fetch's request time and ``size`` record bytes recorded against its quotas, before it
         is answered (Kafka's ``handleFetchRequest``): (the throttle time in seconds, whether the
         answer must be empty). Over a quota, the answer carries no records and its bytes are taken
-        back, except a fetch over its byte rate whose entity had nothing recorded in the window
-        (one batch bigger than a window's worth: served, and the throttle holds the rate)."""
+        back, except a fetch over its byte rate only because its answer's first batch is bigger
+        than a window's worth (``window_bytes``, what the fetch asked for at most) while its entity
+        had nothing recorded in the window: served (else that batch would never be), and the
+        throttle holds the rate."""
         q = self.quotas
         if not q.quotas:
             return 0.0, False
@@ -1002,7 +1007,8 @@ class Broker:
         bytes_s = q.record(FETCH, user, client_id, size, now)
         throttle = max(request_s, bytes_s)
         _FETCH_THROTTLE_S.set(throttle)
-        if throttle <= 0 or (request_s <= 0 and before <= 0):
+        oversized = window_bytes is not None and size > window_bytes
+        if throttle <= 0 or (request_s <= 0 and before <= 0 and oversized):
             return throttle, False
         q.unrecord(FETCH, user, client_id, size, now)
         return throttle, True

@@ -26,8 +26,9 @@ not read from that connection until it has passed (Kafka >= 2.0 mutes the channe
 also back off). A fetch over its fetch byte rate or request percentage is answered as Kafka's
 ``handleFetchRequest`` does: no records (an empty, throttled answer; within a fetch session, the
 session's empty answer) and its bytes unrecorded; a fetch asks for no more than one window's worth
-of its fetch quota (``max_in_window``), and one whose entity had nothing recorded in the window is
-served with its data (a single first batch over a whole window would otherwise never be served).
+of its fetch quota (``max_in_window``), and one over it only because its first batch alone is bigger
+than that, with nothing recorded in the window, is served with its data (such a batch would
+otherwise never be served).
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ import functools
 import logging
 import ssl
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -453,12 +454,12 @@ class KafkaServer:
 
     async def _respond(self, req: codec.Request, held: int, applied: asyncio.Future, conn: _Conn) -> bytes | None:
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.perf_counter()  # not loop.time(): uvloop's is cached per loop turn, in ms
         handled = [0.0]
 
         def done() -> None:
             if not applied.done():
-                handled[0] = loop.time() - started  # handling time for the request quota (waits excluded)
+                handled[0] = time.perf_counter() - started  # handling time for the request quota (waits excluded)
                 applied.set_result(None)
 
         codec.set_effects_applied_callback(done)

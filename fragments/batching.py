@@ -10,6 +10,10 @@ CPU, and etcd's). Calls made concurrently usually land in the same event-loop tu
 - ``get``: the keys asked for in one turn are read in one transaction of range reads
   (``MetadataStore.get_many``, at most 128 keys each), all at one revision. Each caller gets what a
   ``get`` of its own would have returned at that revision.
+- ``put``: the unconditional writes of one turn under the same lease are sent as one transaction
+  of puts (``MetadataStore.put_many``, at most 128 keys; a key written twice in one turn starts a
+  new transaction, so the later write lands last). Each caller gets its key's new version. (A
+  listener taking over many partitions writes each one's writer key under its ownership lease.)
 - ``txn`` (and ``cas``, which is a ``txn``): transactions of one turn whose keys do not overlap are
   merged into one (at most 128 compares and 128 writes). If it succeeds, every one of them
   succeeded (each one's compares held, each one's writes applied atomically). If it fails, some
@@ -18,7 +22,7 @@ CPU, and etcd's). Calls made concurrently usually land in the same event-loop tu
   merged: they go in the order they were made. An error (the store unreachable, an
   outcome unknown) is every merged caller's error, as it would have been for each alone.
 
-Everything else (creates under a lease, deletes, listings, leases, watches) passes straight through.
+Everything else (single creates under a lease, deletes, listings, leases, watches) passes straight through.
 A single call in a turn is sent as it is, so a lone caller pays one loop turn and nothing else.
 """
 
@@ -39,6 +43,7 @@ class BatchingStore(MetadataStore):
         self.inner = inner
         self._gets: dict[str, list[asyncio.Future]] = {}
         self._txns: list[tuple[dict, dict, tuple, asyncio.Future]] = []
+        self._puts: list[tuple[str, bytes, Lease | None, asyncio.Future]] = []
         self._scheduled = False
         self.requests = 0  # gets and transactions sent to the inner store (batched ones count once)
 
@@ -68,6 +73,9 @@ class BatchingStore(MetadataStore):
         self._scheduled = False
         gets, self._gets = self._gets, {}
         txns, self._txns = self._txns, []
+        puts, self._puts = self._puts, []
+        if puts:
+            asyncio.ensure_future(self._send_puts(puts))
         keys = list(gets)
         for i in range(0, len(keys), MAX_TXN_OPS):
             asyncio.ensure_future(self._send_gets({k: gets[k] for k in keys[i:i + MAX_TXN_OPS]}))
@@ -89,6 +97,33 @@ class BatchingStore(MetadataStore):
             for f in waiting[k]:
                 if not f.done():
                     f.set_result(v)
+
+    async def _send_puts(self, puts: list[tuple[str, bytes, Lease | None, asyncio.Future]]) -> None:
+        """In order: chunks of distinct keys under one lease, each one request."""
+        chunks: list[tuple[Lease | None, dict[str, bytes], dict[str, asyncio.Future]]] = []
+        for key, value, lease, fut in puts:
+            last = chunks[-1] if chunks else None
+            if last is None or last[0] is not lease or key in last[1] or len(last[1]) >= MAX_TXN_OPS:
+                last = (lease, {}, {})
+                chunks.append(last)
+            last[1][key] = value
+            last[2][key] = fut
+        for lease, items, futs in chunks:
+            self.requests += 1
+            try:
+                if len(items) == 1:
+                    (key, value), = items.items()
+                    versions = {key: await self.inner.put(key, value, lease=lease)}
+                else:
+                    versions = await self.inner.put_many(items, lease=lease)
+            except BaseException as exc:  # noqa: BLE001 - every caller of the chunk gets it
+                for f in futs.values():
+                    if not f.done():
+                        f.set_exception(exc) if isinstance(exc, Exception) else f.cancel()
+                continue
+            for k, f in futs.items():
+                if not f.done():
+                    f.set_result(versions[k])
 
     async def _send_groups(self, groups: list[list]) -> None:
         """In order: a transaction on a key another one of the turn wrote first sees that write."""
@@ -137,7 +172,14 @@ class BatchingStore(MetadataStore):
         return await self.inner.get_many(keys)
 
     async def put(self, key: str, value: bytes, lease: Lease | None = None) -> int:
-        return await self.inner.put(key, value, lease=lease)
+        check_txn({}, {key: value}, ())  # a bad one fails its caller alone, before merging
+        fut = asyncio.get_running_loop().create_future()
+        self._puts.append((key, value, lease, fut))
+        self._schedule()
+        return await fut
+
+    async def put_many(self, items: dict[str, bytes], lease: Lease | None = None) -> dict[str, int]:
+        return await self.inner.put_many(items, lease=lease)
 
     async def create(self, key: str, value: bytes, lease: Lease | None = None) -> int | None:
         return await self.inner.create(key, value, lease=lease)

@@ -908,6 +908,22 @@ class EtcdStore(MetadataStore):
         self._observe(revision)
         return revision
 
+    async def put_many(self, items: dict[str, bytes], lease: Lease | None = None) -> dict[str, int]:
+        check_txn({}, items, ())
+        if not items:
+            return {}
+        t = self._client.transactions
+        lease_id = self._lease_id(lease)
+        _ok, responses = await self._call(
+            lambda: self._client.transaction(
+                compare=[], success=[t.put(self._k(k), bytes(v), lease=lease_id) for k, v in items.items()],
+                failure=[]),
+            f"put {len(items)} keys",
+        )
+        revision = responses[0].response_put.header.revision
+        self._observe(revision)
+        return dict.fromkeys(items, revision)
+
     async def get_many(self, keys: list[str]) -> list[Versioned | None]:
         if len(keys) > MAX_TXN_OPS:
             raise ValueError(f"a transaction is limited to {MAX_TXN_OPS} reads")

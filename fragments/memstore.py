@@ -286,6 +286,17 @@ class MemoryStore(MetadataStore):
             self._write(k, v, self._revision, lease_id)
         return self._revision
 
+    async def put_many(self, items: dict[str, bytes], lease: Lease | None = None) -> dict[str, int]:
+        await self._enter()
+        check_txn({}, items, ())
+        if not items:
+            return {}
+        lease_id = self._live_lease_id(lease)
+        self._revision += 1
+        for k, v in items.items():
+            self._write(k, v, self._revision, lease_id)
+        return dict.fromkeys(items, self._revision)
+
     async def get_many(self, keys: list[str]) -> list[Versioned | None]:
         await self._enter()
         if len(keys) > MAX_TXN_OPS:

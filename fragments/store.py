@@ -91,6 +91,11 @@ class MetadataStore(abc.ABC):
         nothing is written). Many create-if-absent claims in one round trip."""
         raise NotImplementedError
 
+    async def put_many(self, items: dict[str, bytes], lease: Lease | None = None) -> dict[str, int]:
+        """Unconditional writes of ``items`` (at most 128 keys) under ``lease``, in one transaction
+        where the store has them: each key's new version."""
+        return {k: await self.put(k, v, lease=lease) for k, v in items.items()}
+
     async def get_many(self, keys: list[str]) -> list[Versioned | None]:
         """The values of ``keys`` (at most 128) read at one revision, in one round trip."""
         return [await self.get(k) for k in keys]

@@ -62,3 +62,25 @@ def test_one_turn_is_one_request_and_each_caller_is_decided_alone(store, run) ->
             await b.txn({"k/1": -1}, {})
 
     run(go())
+
+
+def test_puts_under_one_lease_are_one_request_and_go_with_it(store, run) -> None:
+    """A listener taking over many partitions writes each one's writer key under its lease: the
+    puts of one turn are one request, each caller gets its key's version, a key written twice in
+    the turn ends with the later value, and the keys go when the lease is revoked."""
+    async def go():
+        b = BatchingStore(store)
+        lease = await b.grant_lease(30.0)
+        b.requests = 0
+        versions = await asyncio.gather(*(b.put(f"w/{i}", b"%d" % i, lease=lease) for i in range(40)))
+        assert b.requests == 1
+        got = await store.get_many([f"w/{i}" for i in range(40)])
+        assert [g.value for g in got] == [b"%d" % i for i in range(40)]
+        assert [g.version for g in got] == versions
+        b.requests = 0
+        await asyncio.gather(b.put("w/0", b"first", lease=lease), b.put("w/0", b"second", lease=lease))
+        assert b.requests == 2 and (await store.get("w/0")).value == b"second"
+        await lease.revoke()
+        assert await store.get_many([f"w/{i}" for i in range(3)]) == [None, None, None]
+
+    run(go())

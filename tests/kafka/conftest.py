@@ -25,8 +25,9 @@ FAST_GROUPS = GroupConfig(initial_rebalance_delay_ms=100,
 
 class ShimThread:
     def __init__(self, metadata_url: str, port: int, max_frame_bytes: int = 8 << 20, server_options=None,
-                 **broker_options):
+                 event_loop: str = "uvloop", **broker_options):
         self.port = port
+        self._event_loop = event_loop  # "asyncio": the standard loop (a test that looks at its timer heap)
         self._server_options = server_options or {}
         self._broker_options = {"default_partitions": 1, "groups": FAST_GROUPS, **broker_options}
         self.bootstrap = f"127.0.0.1:{port}"
@@ -57,7 +58,10 @@ class ShimThread:
             await task
 
         try:
-            aioloop.run(main())  # the loop the listener process runs on (uvloop when installed)
+            if self._event_loop == "asyncio":
+                asyncio.run(main())
+            else:
+                aioloop.run(main())  # the loop the listener process runs on (uvloop when installed)
         except BaseException as exc:  # surfaced by start()
             self._error = exc
             self._started.set()
