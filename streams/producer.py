@@ -556,10 +556,13 @@ class _Liveness:
         """No producer left (or the client closes): end the watch, revoke our lease."""
         tasks, self._tasks = self._tasks, []
         for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            while not t.done():
+                # cancelled again until it ends: closing the store's watch may swallow a cancellation
+                t.cancel()
+                await asyncio.wait({t}, timeout=1.0)
+            if not t.cancelled():
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    t.result()
         lease, self._lease = self._lease, None
         if lease is not None:
             with contextlib.suppress(MetadataError, Exception):
@@ -602,7 +605,8 @@ class _Liveness:
                         if ev.value is None:
                             self._bookie_left(ev.key[len(BOOKIES):])
                 finally:
-                    await watch.aclose()
+                    with contextlib.suppress(Exception, asyncio.TimeoutError):
+                        await asyncio.wait_for(watch.aclose(), 2.0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the store may be down for a while: watch again

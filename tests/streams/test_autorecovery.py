@@ -392,7 +392,9 @@ def test_a_live_idle_writer_replaces_a_lost_bookie_itself_a_dead_writer_is_taken
 
             await until(lambda: repaired(live_s), "the idle writer's ensemble change and the repair")
             meta, _ = await c.cluster.ledgers.get_ledger(live_s)
-            assert meta.term == term and ar.takeovers == 0  # never taken over
+            # never taken over (ar.takeovers may count other streams of the module's cluster whose
+            # writers are gone: an earlier test's, on the same stopped bookie)
+            assert meta.term == term
             assert await p.append(b"value-%d" % N) == N  # the producer carries on: no StaleTermError
             fs = await fragments(c, live_s)
             assert len(fs) >= 2 and fs[0].sealed and fs[0].last_entry_id >= N  # the prefix, sealed

@@ -341,8 +341,10 @@ def test_a_producer_at_full_rate_and_a_tailing_consumer_run_on_while_the_stream_
             c = await client.consumer(s, "earliest")
             seen = []
 
+            produced = asyncio.Event()  # set once every append has returned: written is final
+
             async def tail():
-                while not stop.is_set() or len(seen) < len(written) + 10:
+                while not produced.is_set() or len(seen) < len(written) + 10:
                     got = await c.read(500, 0.5)
                     seen.extend(r.offset for r in got)
 
@@ -356,6 +358,7 @@ def test_a_producer_at_full_rate_and_a_tailing_consumer_run_on_while_the_stream_
             stop.set()
             await prod
             await p.flush()
+            produced.set()
             await asyncio.wait_for(cons, 60)
             await c.close()
             assert not errors, errors
