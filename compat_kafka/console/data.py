@@ -54,6 +54,9 @@ class StreamRow:
     latest: int | None = None
     bytes: int | None = None
     records_in_per_s: float | None = None  # between the last two times the row was read (page views)
+    # consumer groups' committed progress over the same interval, summed over the groups (records
+    # read by readers that commit nothing are not seen); None before a second reading
+    records_out_per_s: float | None = None
 
 
 @dataclass
@@ -104,6 +107,8 @@ class ConsoleData:
         self._listing: tuple[float, list] = (0.0, [])
         self._topics: tuple[float, dict] = (0.0, {})
         self._lock = asyncio.Lock()
+        self._committed: tuple[float, dict] | None = None  # (when, OffsetStore.committed_sums())
+        self._committed_prev: tuple[float, dict] | None = None
         self._rows: dict[str, tuple] = {}  # stream -> (identity, when, (earliest, latest, bytes))
         self.seen_bookies: dict[str, BookieRegistration] = {}  # every bookie seen live (down ones stay listed)
 
@@ -205,7 +210,30 @@ class ConsoleData:
                                   m.last_fragment_index - m.first_fragment_index + 1, dict(m.retention),
                                   dict(t.configs) if t is not None else {}))
         await asyncio.gather(*(self._fill_offsets(r, m) for r, m in zip(rows, shown)))
+        await self._fill_out_rates(rows)
         return rows, total
+
+    async def _fill_out_rates(self, rows: list[StreamRow]) -> None:
+        """records/s out of each row: the growth of the groups' committed offsets (summed over the
+        groups) since the previous reading, at least 1 s before. The committed offsets of every
+        group are one listing, read at most once per ``ROW_TTL_S``."""
+        now = time.monotonic()
+        if self._committed is None or now - self._committed[0] >= ROW_TTL_S:
+            try:
+                sums = await OffsetStore(self.store).committed_sums()
+            except Exception:  # noqa: BLE001 - the rates are left unknown
+                return
+            self._committed_prev, self._committed = self._committed, (now, sums)
+        prev, cur = self._committed_prev, self._committed
+        if prev is None or cur[0] - prev[0] < 1.0:
+            return
+        for r in rows:
+            a, b = prev[1].get((r.topic, r.partition)), cur[1].get((r.topic, r.partition))
+            if b is None:
+                continue
+            if a is None or a[1] != b[1] or b[0] < a[0]:  # a group came or went, or an offset reset
+                continue
+            r.records_out_per_s = (b[0] - a[0]) / (cur[0] - prev[0])
 
     async def _fill_offsets(self, row: StreamRow, meta) -> None:
         """Earliest and latest offsets and bytes of one row: its fragment records (one range read),

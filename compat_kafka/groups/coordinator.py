@@ -666,6 +666,17 @@ class OffsetStore:
                 out[(parsed[1], parsed[2])] = Committed.decode(v.value)
         return out
 
+    async def committed_sums(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(topic, partition) -> (the sum of every group's committed offset, how many groups
+        committed one): one listing of all groups' keys."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
+        for k, v in await self.store.list_prefix(GROUPS_PREFIX):
+            p = _parse_offset_key(k)
+            if p is not None:
+                total, n = out.get((p[1], p[2]), (0, 0))
+                out[(p[1], p[2])] = (total + Committed.decode(v.value).offset, n + 1)
+        return out
+
     async def groups(self) -> set[str]:
         """Every group with at least one committed offset, or a recorded kind."""
         out = set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 import urllib.parse
 
 import pytest
@@ -102,6 +103,21 @@ def test_stream_list_searches_and_paginates(console, console_cluster, browser):
         return cells and cells[6].text not in ("-", "0.0") and float(cells[6].text) > 0
 
     wait_for(rate_shown, 30, "records/s in of paged-topic:2")
+    # records/s out: a consumer group's committed progress on the partition, between two readings
+    kcat(console_cluster.shim.bootstrap, "paged-topic", "".join(f"r{i}\n" for i in range(120)), "-p", "2")
+    started = time.monotonic()
+
+    async def commit_more():  # the group reads a record a second
+        async with KafkaAdmin(console_cluster.shim.bootstrap) as a:
+            await a.commit("paging-readers", {("paged-topic", 2): 1 + int(time.monotonic() - started)})
+
+    def out_shown():
+        run(commit_more())
+        browser.get(console.url + "/streams?q=paged-topic:2")
+        cells = browser.find_elements(By.CSS_SELECTOR, "#streams tr td")
+        return cells and cells[7].text not in ("-", "0.0") and float(cells[7].text) > 0
+
+    wait_for(out_shown, 60, "records/s out of paged-topic:2")
     browser.get(console.url + "/streams?page=nope")
     assert "page must be a whole number" in text(browser, "#error")
 
