@@ -37,13 +37,17 @@ def submit(browser, form) -> None:
 
 
 def _stale(el) -> bool:
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 
     try:
         el.tag_name  # noqa: B018
         return False
     except StaleElementReferenceException:
         return True
+    except WebDriverException as exc:  # chromium may say so in its own words while the page is replaced
+        if "does not belong to the document" in str(exc):
+            return True
+        raise
 
 
 def kcat(bootstrap: str, topic: str, lines: str, *args: str) -> None:
