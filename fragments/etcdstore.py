@@ -870,22 +870,7 @@ class EtcdStore(MetadataStore):
         return resp.header.revision
 
     async def create(self, key: str, value: bytes, lease: Lease | None = None) -> int | None:
-        check_txn({}, {key: value}, ())
-        t = self._client.transactions
-        ok, responses = await self._call(
-            lambda: self._client.transaction(
-                compare=[t.create(self._k(key)) == 0],
-                success=[t.put(self._k(key), bytes(value), lease=self._lease_id(lease))],
-                failure=[],
-            ),
-            f"create {key}",
-            lost=_compare_failed,
-        )
-        if not ok:
-            return None
-        revision = responses[0].response_put.header.revision
-        self._observe(revision)
-        return revision
+        return await self.create_all({key: value}, lease=lease)
 
     async def create_all(self, items: dict[str, bytes], lease: Lease | None = None) -> int | None:
         check_txn(dict.fromkeys(items, 0), items, ())
@@ -899,7 +884,7 @@ class EtcdStore(MetadataStore):
                 success=[t.put(self._k(k), bytes(v), lease=lease_id) for k, v in items.items()],
                 failure=[],
             ),
-            f"create {len(items)} keys",
+            f"create {next(iter(items))}" if len(items) == 1 else f"create {len(items)} keys",
             lost=_compare_failed,
         )
         if not ok:

@@ -236,12 +236,7 @@ class Producer:
                 k += 1
             b.count = i
             _note(parts, self._open_fut, first, i - first)
-            if k < n or b.size() >= self._batch_bytes:
-                self._seal()
-                self._pump()
-            elif not self._idle_scheduled:
-                self._idle_scheduled = True
-                self._loop.call_soon(self._on_idle)
+            self._after_add(full=k < n)
 
     def append_batch(self, batch: bytes | bytearray) -> tuple[int, asyncio.Future]:
         """Queue a record batch built elsewhere (the Kafka listener stores produce batches as they
@@ -295,13 +290,18 @@ class Producer:
             i += 1
         b.count = i
         futs.append(self._open_fut)
-        if b.size() >= self._batch_bytes:
+        self._after_add()
+        return first, futs
+
+    def _after_add(self, full: bool = False) -> None:
+        """After records went into the open batch: seal and send it once it is ``full`` or at its
+        size, else see to it that it goes when the loop is idle (or its linger has passed)."""
+        if full or self._open.size() >= self._batch_bytes:
             self._seal()
             self._pump()
         elif not self._idle_scheduled:
             self._idle_scheduled = True
             self._loop.call_soon(self._on_idle)
-        return first, futs
 
     def has_space(self) -> bool:
         return self._has_space()
@@ -371,12 +371,7 @@ class Producer:
             b.append(value, key, headers, timestamp_ms)
         fut = self._open_fut
         i = b.count - 1
-        if b.size() >= self._batch_bytes:
-            self._seal()
-            self._pump()
-        elif not self._idle_scheduled:
-            self._idle_scheduled = True
-            self._loop.call_soon(self._on_idle)
+        self._after_add()
         return fut, i
 
     def _new_batch(self) -> BatchBuilder:
