@@ -44,6 +44,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import secrets
@@ -423,6 +424,9 @@ class _Client(aetcd.Client):
                 raise
 
     async def close(self) -> None:
+        """Cancel the keep-alive and watch streams, close the channel, and wait (bounded) until gRPC
+        has delivered each stream's status: its status task otherwise outlives the client, and an
+        owner that stops its loop at once is told "Task was destroyed but it is pending"."""
         if self._keepalive_call is not None:
             self._keepalive_call.cancel()
             self._keepalive_call = None
@@ -432,7 +436,27 @@ class _Client(aetcd.Client):
                 await w.shutdown()
             except Exception as e:
                 log.debug("shutting down an etcd watcher: %r", e)
+        settling = _status_tasks(self.channel)
         await super().close()
+        if settling:
+            await asyncio.wait(settling, timeout=2.0)
+
+
+def _status_tasks(channel: Any) -> list[asyncio.Task]:
+    """The pending status tasks of ``channel``'s streaming calls. gRPC starts one per stream and
+    keeps no list of them, so they are found through their coroutine's scope, which holds the
+    call (whose ``_channel`` is the channel's). Only at close: it looks at every task of the loop."""
+    cy = getattr(channel, "_channel", None)
+    if cy is None:
+        return []
+    found = []
+    for t in asyncio.all_tasks():
+        co = t.get_coro()
+        if t.done() or not getattr(co, "__qualname__", "").endswith("_handle_status_once_received"):
+            continue
+        if any(getattr(r, "_channel", None) is cy for scope in gc.get_referents(co) for r in gc.get_referents(scope)):
+            found.append(t)
+    return found
 
 
 def _detail(e: BaseException) -> str:

@@ -176,10 +176,16 @@ async def register_bookie(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (2 * ttl_s if wait_s is None else wait_s)
     lease = await store.grant_lease(ttl_s)
+    waited = False
     try:
         while True:
             watch = store.watch_prefix(key)
             try:
+                if waited:  # the wait took up to a TTL of the lease: give the key its whole TTL again
+                    try:
+                        await lease.refresh()
+                    except LeaseExpired:
+                        lease = await store.grant_lease(ttl_s)
                 if await store.create(key, data, lease=lease) is not None:
                     break
                 remaining = deadline - loop.time()
@@ -190,6 +196,7 @@ async def register_bookie(
                         async for ev in watch:
                             if ev.key == key and ev.value is None:
                                 break
+                    waited = True
                 except TimeoutError:
                     raise BookieAlreadyRegistered(
                         f"bookie {reg.bookie_id} is already registered at {key} (waited for it to expire)"

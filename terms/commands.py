@@ -114,6 +114,7 @@ class WriterConfig:
     ensemble_retry_max_s: float = 0.5  # ... doubling per failed placement up to this
     rejoin_backoff_s: float = 0.01  # a bookie whose write failed is placed again only after this ...
     rejoin_backoff_max_s: float = 4.0  # ... doubling per failure without an ack in between, up to this
+    failed_memory_s: float = 300.0  # new fragments prefer bookies that have not failed us for this long
     recovery_read_window: int = 16  # recovery reads in flight at once
     unsafe: UnsafeSwitches = field(default_factory=UnsafeSwitches)
 

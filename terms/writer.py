@@ -175,7 +175,7 @@ class LedgerWriter:
         self.pending: dict[int, _Pending] = {}
         self.inflight_bytes = 0
         self.failed: set[str] = set()  # members of the current ensemble whose writes failed
-        self.ever_failed: set[str] = set()
+        self.failed_at: dict[str, float] = {}  # when each bookie last failed a write of ours
         # A bookie whose write failed is placed again (its own slot or another) only after a back-off
         # that doubles per failure without an ack in between: with every bookie refusing (disks full,
         # all down but still registered) the writer would otherwise re-place, CAS and resend in a loop.
@@ -642,7 +642,7 @@ class LedgerWriter:
                  ev.entry_id, why)
         self.fail_reasons[ev.bookie] = why
         self.failed.add(ev.bookie)
-        self.ever_failed.add(ev.bookie)
+        self.failed_at[ev.bookie] = self.now
         k = self.strikes[ev.bookie] = self.strikes.get(ev.bookie, 0) + 1
         c = self.config
         self.rejoin_at[ev.bookie] = self.now + min(c.rejoin_backoff_max_s, c.rejoin_backoff_s * 2 ** min(k - 1, 30))
@@ -712,11 +712,16 @@ class LedgerWriter:
         return None
 
     def _place(self, size: int, keep: dict[int, str], avoid: set[str]) -> tuple[str, ...] | None:
-        """Fresh bookies first; then ones that failed us before; last, a failed member may rejoin
-        its own slot as a newcomer (a reconnect: everything from LAFR + 1 is resent to it)."""
+        """Fresh bookies first (none that failed us within ``failed_memory_s``: a bookie that failed
+        once, e.g. a connection broken by its restart, is not shunned for the writer's whole life, which
+        would pile every later fragment onto the others); then ones that failed us lately; last, a
+        failed member may rejoin its own slot as a newcomer (a reconnect: everything from LAFR + 1 is
+        resent to it)."""
         kept = set(keep.values())
         cooling = {b for b, t in self.rejoin_at.items() if t > self.now} - kept if self.rejoin_at else set()
-        for exclude in (avoid | self.ever_failed, avoid, kept):
+        memory = self.config.failed_memory_s
+        lately = {b for b, t in self.failed_at.items() if self.now - t < memory} if self.failed_at else set()
+        for exclude in (avoid | lately, avoid, kept):
             try:
                 return self.placement.choose(size, exclude=exclude | cooling, keep=keep)
             except NotEnoughBookies as exc:

@@ -73,8 +73,10 @@ def scroll(url: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def kcat(port: int, *args: str, input: str | None = None) -> str:
-    return subprocess.run(["kcat", "-b", f"127.0.0.1:{port}", *args], input=input, capture_output=True, text=True,
-                          timeout=120, check=True).stdout
+    r = subprocess.run(["kcat", "-b", f"127.0.0.1:{port}", *args], input=input, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, f"kcat {' '.join(args)} exited {r.returncode}: {r.stderr[-3000:]}"
+    return r.stdout
 
 
 async def until(cond, what: str, timeout_s: float = 180.0, every_s: float = 0.5):
@@ -174,6 +176,9 @@ def test_standalone_repairs_a_lost_bookie_with_no_command_typed(tmp_path):
     try:
         run.wait_ready()
         asyncio.run(main())
+    except BaseException:
+        print("---- scroll standalone's log (tail)\n" + run.text()[-20000:])
+        raise
     finally:
         for i in stopped:
             try:

@@ -147,6 +147,33 @@ def test_same_id_waits_for_the_previous_registration(store: MetadataStore, run):
     run(body())
 
 
+def test_a_registration_that_waited_for_its_predecessor_keeps_its_whole_ttl(run):
+    """A restarted bookie waits for its previous incarnation's key to expire (up to a TTL). The
+    lease it registers with then gets its whole TTL again, instead of lapsing at once and making the
+    bookie leave and rejoin the registry (writers replace it: found as a CI flake)."""
+    from fragments.memstore import MemoryStore
+
+    now = [0.0]
+    store = MemoryStore(clock=lambda: now[0])
+
+    async def body():
+        old = await register_bookie(store, reg("bk-1", 3181), ttl_s=10)
+        await old.abandon()  # SIGKILLed: its key lives until t=10
+        now[0] = 5.0
+        new = asyncio.ensure_future(register_bookie(store, reg("bk-1", 4181), ttl_s=10, wait_s=60))
+        await asyncio.sleep(0.05)
+        assert not new.done()
+        now[0] = 14.0
+        assert store.expire_leases() == 1  # the old key goes; the new incarnation registers
+        r = await asyncio.wait_for(new, 10)
+        now[0] = 20.0  # past the TTL of a lease granted at t=5, within one renewed at t=14
+        store.expire_leases()
+        assert await live_bookies(store) == [reg("bk-1", 4181)]
+        await r.close()
+
+    run(body())
+
+
 CHILD = """
 import asyncio, sys
 from fragments.etcdstore import EtcdStore

@@ -154,3 +154,30 @@ def test_config_rejects_a_non_positive_retry_interval():
         WriterConfig(ensemble_retry_s=1.0, ensemble_retry_max_s=0.5)
     with pytest.raises(ValueError):
         WriterConfig(rejoin_backoff_s=5.0, rejoin_backoff_max_s=4.0)
+
+
+def test_a_bookie_that_failed_once_is_placed_again_once_the_writer_forgets_the_failure():
+    """One failed write (e.g. a connection broken by the bookie's restart) keeps a bookie out of new
+    fragments only for ``failed_memory_s``: a long-lived writer does not pile every later fragment
+    onto the other bookies (the CI run that found it: 48 fragments, one of them on bookie-1)."""
+    from fragments.model import LedgerConfig
+
+    c = Cluster(n=4, config=LedgerConfig(ensemble_size=3, write_quorum=3, ack_quorum=2, fragment_entries_max=1))
+    w = c.open_writer(failed_memory_s=60.0, rejoin_backoff_s=0.01, rejoin_backoff_max_s=0.01)
+    c.fail = {"b0"}
+    c.append(w, b"x")  # b0 fails and is replaced
+    c.fail = set()
+    assert "b0" not in w.fragment.ensemble
+
+    def ensembles(n: int) -> list[tuple[str, ...]]:
+        out = []
+        for _ in range(n):
+            c.append(w, b"y")  # one entry per fragment: every append rolls over
+            w.advance_clock(w.now + 1.0)
+            out.append(c.fragments[c.ledger.last_fragment_index].ensemble)
+        return out
+
+    assert not any("b0" in e for e in ensembles(20))  # remembered: the other three bookies take them
+    w.advance_clock(w.now + 60.0)
+    placed = ensembles(20)
+    assert sum("b0" in e for e in placed) >= 5, placed  # forgotten: b0 takes its share again
