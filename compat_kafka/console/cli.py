@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import signal
@@ -18,6 +19,8 @@ import ssl
 import sys
 
 import click
+
+from fragments import aioloop
 
 log = logging.getLogger("scroll.console")
 DEFAULT_PORT = 9400
@@ -64,7 +67,7 @@ async def serve(metadata_url: str, host: str, port: int, *, bootstrap: str | Non
         sampler = Sampler(sources or {}, interval_s=sample_interval_s)
         app = build_app(data, auth, sampler, scheme="https" if secure else "http")
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                                ssl_certfile=ssl_cert, ssl_keyfile=ssl_key)
+                                ssl_certfile=ssl_cert, ssl_keyfile=ssl_key, date_header=False)
         config.load()
         tls = None
         if secure:
@@ -76,7 +79,7 @@ async def serve(metadata_url: str, host: str, port: int, *, bootstrap: str | Non
 
             tls = ReloadableServerContext(build, "console", ssl_cert)
             config.ssl = tls.context  # every handshake goes through it: SIGHUP re-reads the files
-        server = uvicorn.Server(config)
+        server = _quiet_server_class()(config)
         loop = asyncio.get_running_loop()
         if tls is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -86,6 +89,30 @@ async def serve(metadata_url: str, host: str, port: int, *, bootstrap: str | Non
         await server.serve()
     finally:
         await client.close()
+
+
+@functools.cache
+def _quiet_server_class():
+    import uvicorn  # (imported when serving: the CLI's other commands start faster)
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn's server without its tick: ``main_loop`` wakes every 0.1 s to refresh the Date
+        header and look for an exit request (ten wake-ups a second, most of an idle console's CPU).
+        This one sleeps until a signal asks it to exit; the console sends no Date header."""
+
+        async def main_loop(self) -> None:
+            self._exit = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+            if not self.should_exit:
+                await self._exit.wait()
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)  # (a signal handler: wake the loop thread-safely)
+            loop, event = getattr(self, "_loop", None), getattr(self, "_exit", None)
+            if loop is not None and event is not None:
+                loop.call_soon_threadsafe(event.set)
+
+    return QuietServer
 
 
 @click.command("console")
@@ -154,6 +181,6 @@ def console_command(metadata_url: str, host: str, port: int, bootstrap: str | No
     scheme = "https" if secure else "http"
     click.echo(f"{READY} on {scheme}://{host}:{port}/" + ("" if secure else "  (no login: loopback only)"))
     sys.stdout.flush()
-    asyncio.run(serve(metadata_url, host, port, bootstrap=bootstrap, kafka_security=kafka_security,
+    aioloop.run(serve(metadata_url, host, port, bootstrap=bootstrap, kafka_security=kafka_security,
                       sources=sources, secure=secure, ssl_cert=ssl_cert, ssl_key=ssl_key, token=token,
                       super_users=users, bookie_security=_bookie_security(), sample_interval_s=sample_interval))

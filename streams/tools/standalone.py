@@ -214,6 +214,7 @@ class Standalone:
         self.console: Proc | None = None
         self.seaweed = self._seaweed() if config.object_store else None
         self._tier_runs = 0
+        self._objects = None  # (TierConfig, ObjectStore) of the offload runs
         self.restarts: dict[str, int] = {}
         self._metrics = None
         self.catalog = None  # the watched StreamCatalog while run_forever runs (streams/catalog.py)
@@ -718,7 +719,8 @@ class Standalone:
 
 
     async def tier_once(self, client) -> None:
-        from .tier import run_tier, wanted
+        from ..tier.objstore import ObjectStore
+        from .tier import TierReport, load_tier_config, run_tier, wanted
 
         metas, names = self._known(wanted)
         self._tier_runs += 1
@@ -726,8 +728,18 @@ class Standalone:
         sweep = self._tier_runs == 1 or self._tier_runs * self.config.tier_interval_s % SWEEP_EVERY_S < \
             self.config.tier_interval_s
         try:
-            report = await run_tier(client, metas=metas, names=None if names is None else set(names),
-                                    sweep_objects=sweep)
+            if names == [] and not sweep:
+                report = TierReport([], False)  # nothing to offload: no store client, no listing
+            else:
+                # one object store client while its settings hold (building one loads every system
+                # CA certificate: ~1,000 files read per run)
+                cfg = await load_tier_config(client.cluster.store)
+                if cfg is None:
+                    self._objects = None
+                elif self._objects is None or self._objects[0] != cfg:
+                    self._objects = (cfg, ObjectStore(cfg))
+                report = await run_tier(client, metas=metas, names=None if names is None else set(names),
+                                        sweep_objects=sweep, objects=self._objects and self._objects[1])
         except Exception as exc:  # noqa: BLE001 - logged and counted; the next run retries
             log.warning("offload run failed (bookie copies kept): %s", exc)
             if self._metrics:
