@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check . || exit 1
 run() {
-  .venv/bin/python -m pytest -q "$@"
+  .venv/bin/python -m pytest -q --durations=20 "$@"
   local rc=$?
   if [ $rc -eq 5 ]; then echo "no tests ran: failing"; return 1; fi
   return $rc
