@@ -48,8 +48,27 @@ class Cluster:
         self._tier = None  # the TierReader, once built
         self._tier_checked = -1e9  # monotonic time of the last look at the tier config (when absent)
         self._tier_lock = asyncio.Lock()
+        self._unresponsive: dict[str, float] = {}  # bookie id -> monotonic time its last call failed
 
     TIER_RECHECK_S = 30.0
+    UNRESPONSIVE_S = 30.0  # a bookie whose call failed is asked last for this long
+
+    def failed_call(self, bookie_id: str) -> None:
+        """A call to ``bookie_id`` failed or timed out: ask it last for a while (``rank``)."""
+        self._unresponsive[bookie_id] = time.monotonic()
+
+    def rank(self, bookies) -> list[str]:
+        """``bookies`` in the order to ask them when any one will do (a LAC read, a tail poll):
+        registered ones first, then ones that failed a call lately, then ones the registry no
+        longer lists (stable otherwise). A bookie that stopped answering (SIGSTOP, a hung disk, a
+        cut link) keeps accepting connections, and asking it first costs a whole call timeout."""
+        now = time.monotonic()
+        lately = {b for b, t in self._unresponsive.items() if now - t < self.UNRESPONSIVE_S}
+
+        def key(b: str) -> int:
+            return 2 if self._regs and b not in self._regs else 1 if b in lately else 0
+
+        return sorted(bookies, key=key)
 
     async def tier_reader(self):
         """The reader of offloaded fragments (``streams.tier.reader.TierReader``), built once from

@@ -422,8 +422,8 @@ class Consumer:
         after = self.entry - 1 if after is None else after
         first = after + 1
         wait = min(wait_s, LAC_POLL_MAX_S)
-        for i in range(len(bookies)):
-            b = bookies[(self._rotate + i) % len(bookies)]
+        rotated = [bookies[(self._rotate + i) % len(bookies)] for i in range(len(bookies))]
+        for b in self.cluster.rank(rotated):  # (unregistered or unresponsive members last)
             client = self.cluster.client(b)
             if client is None:
                 continue
@@ -437,6 +437,7 @@ class Consumer:
                 if isinstance(exc, BookieAuthError) and exc.definite:
                     raise AuthenticationFailed(str(exc)) from exc
                 log.debug("stream=%s LAC read from %s failed: %s", self.name, b, exc)
+                self.cluster.failed_call(b)
                 continue
             # A fragment starting at F exists only once every entry below F was acknowledged
             # (rollover drains first; an ensemble change starts at LAFR + 1), so LAC >= F - 1 even

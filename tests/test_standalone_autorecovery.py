@@ -28,10 +28,11 @@ K = 20
 
 
 def ports() -> dict[str, int]:
-    """etcd, its peer, Kafka, 4 bookies, metrics + 4 bookies' + the listener's, the object store."""
-    base = port_block(21)
+    """etcd, its peer, Kafka, 4 bookies, metrics + 4 bookies' + the listener's, the object store (8),
+    the console (never the default port: another standalone may hold it)."""
+    base = port_block(22)
     return {"etcd": base, "peer": base + 1, "kafka": base + 2, "bookie": base + 3, "metrics": base + 7,
-            "objectstore": base + 13}
+            "objectstore": base + 13, "console": base + 21}
 
 
 class Standalone(Run):
@@ -43,6 +44,7 @@ class Standalone(Run):
         args = ["--data-dir", str(data), "--etcd-port", str(ports["etcd"]), "--etcd-peer-port", str(ports["peer"]),
                 "--kafka-port", str(ports["kafka"]), "--bookie-port", str(ports["bookie"]),
                 "--metrics-port", str(ports["metrics"]), "--object-store-port", str(ports["objectstore"]),
+                "--console-port", str(ports["console"]),
                 *extra.split()]
         self.log = data.parent / f"run-{time.monotonic_ns()}.log"
         self.out = open(self.log, "wb")

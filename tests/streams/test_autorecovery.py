@@ -472,3 +472,45 @@ def test_a_writer_whose_lease_lapsed_holds_its_key_again(rcluster):
             await c.close()
 
     asyncio.run(main())
+
+
+def test_a_stopped_bookie_is_asked_for_the_lac_last(rcluster):
+    """A SIGSTOPped bookie keeps accepting connections and never answers: a consumer whose cached
+    last fragment names it, and which asked it first for the LAC, waited a whole call timeout (the
+    ~10 s stall of a Kafka read after a bookie loss). Once the client knows the bookie left the
+    registry, every rotation of the LAC poll asks a live member first; a member whose call failed
+    is asked last for a while even before the registry drops it."""
+    s = "lac-rank"
+    stopped: list[int] = []
+
+    async def main():
+        c = await connect(rcluster.metadata_url, call_timeout_s=120.0)  # a stall would be this long
+        try:
+            await c.create_stream(s, ensemble=3, write_quorum=3, ack_quorum=2)
+            p = await c.producer(s)
+            for i in range(5):
+                await p.append(b"v%d" % i)
+            await p.close()  # (not sealed: the ledger stays open, its last fragment names the victim)
+            cons = await c.consumer(s, start="earliest")  # caches the fragments
+            victim = cons.fragments[-1].ensemble[0]
+            rcluster.bookies[idx(victim)].signal(signal.SIGSTOP)
+            stopped.append(idx(victim))
+            await until(lambda: _gone(c, victim), f"{victim} to leave the registry")
+            for k in range(3):  # whichever member the rotation would ask first
+                cons._rotate = k
+                assert await asyncio.wait_for(cons.end_position(), 60) == 5
+            rcluster.bookies[idx(victim)].signal(signal.SIGCONT)
+            stopped.remove(idx(victim))
+            await until(lambda: _back(c, victim), f"{victim} to register again")
+        finally:
+            await c.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for i in stopped:
+            rcluster.bookies[i].signal(signal.SIGCONT)
+
+
+async def _gone(c, b):
+    return b not in await live(c)  # (a listing: the client's own view of the registry follows it)
