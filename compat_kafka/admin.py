@@ -166,6 +166,7 @@ _COMPRESSION = {"producer", "uncompressed", "gzip", "snappy", "lz4", "zstd"}
 # least one entry of up to 1 MiB, and a fragment per batch would only churn metadata, so 1 MiB here.
 MIN_SEGMENT_BYTES = 1 << 20
 _INT_MAX = 2**31 - 1
+_WAVE = 64  # partitions whose metadata is changed at once (apply_retention)
 _LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
 # Kafka's ranges: name -> (lowest, highest) (None: no bound)
 _RANGES: dict[str, tuple[float | None, float | None]] = {
@@ -491,14 +492,15 @@ class Admin:
         policy = retention_policy(configs)
         fragment_bytes, fragment_age = rollover_caps(configs)
         ledgers = self.client.cluster.ledgers
-        for p in partitions:
+
+        async def one(p: int) -> None:
             stream = partition_stream(topic, p)
             for _ in range(50):
                 try:
                     meta, version = await ledgers.get_ledger(stream)
                 except NoSuchLedger:
                     log.warning("topic=%s: no stream %s to set retention on", topic, stream)
-                    break
+                    return
                 retention = {k: v for k, v in meta.retention.items() if k not in RETENTION_KEYS}
                 retention.update(policy)
                 config = meta.config
@@ -510,13 +512,21 @@ class Admin:
                     except ValueError as exc:
                         raise InvalidConfig(str(exc)) from None
                 if retention == meta.retention and config == meta.config:
-                    break
+                    return
                 if await ledgers.cas_ledger(meta.with_(retention=retention, config=config), (), version) is not None:
                     log.info("stream=%s retention %s caps bytes=%s age_ms=%s", stream, retention,
                              config.fragment_bytes_max, config.fragment_age_max_ms)
-                    break
-            else:
-                raise PolicyViolation(f"stream {stream}: retention not set (its meta kept changing)")
+                    return
+            raise PolicyViolation(f"stream {stream}: retention not set (its meta kept changing)")
+
+        # the partitions a wave at a time: the listener's batching store sends a wave's reads, then
+        # its compare-and-sets, as one request each (one partition at a time: 2 requests each)
+        partitions = list(partitions)
+        for lo in range(0, len(partitions), _WAVE):
+            done = await asyncio.gather(*(one(p) for p in partitions[lo:lo + _WAVE]), return_exceptions=True)
+            failed = next((x for x in done if isinstance(x, BaseException)), None)
+            if failed is not None:
+                raise failed
 
     # ------------------------------------------------------------ DescribeConfigs
     def _topic_defaults(self) -> dict[str, tuple[str, int]]:

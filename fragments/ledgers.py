@@ -135,8 +135,10 @@ class LedgerStore:
         config: LedgerConfig,
         ensemble: tuple[str, ...],
         retention: dict | None = None,
+        ledger_id: int | None = None,
     ) -> tuple[LedgerMeta, int]:
-        """Allocate an id and create the ledger (OPEN, term 0) with fragment 0 on ``ensemble``.
+        """Allocate an id (or use ``ledger_id``, one the caller allocated from ``LEDGER_ID_COUNTER``
+        with ``next_ids``) and create the ledger (OPEN, term 0) with fragment 0 on ``ensemble``.
 
         One transaction claims the name and writes the meta and fragment 0; ``LedgerExists`` if the
         name is taken (an id allocated for a lost race is simply skipped).
@@ -149,7 +151,8 @@ class LedgerStore:
             )
         if await self.store.get(by_name_key(name)) is not None:
             raise LedgerExists(name)
-        ledger_id = await self.store.next_id(LEDGER_ID_COUNTER)
+        if ledger_id is None:
+            ledger_id = await self.store.next_id(LEDGER_ID_COUNTER)
         meta = LedgerMeta(
             ledger_id=ledger_id,
             name=name,

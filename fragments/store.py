@@ -148,8 +148,15 @@ class MetadataStore(abc.ABC):
 
     async def next_id(self, counter_key: str) -> int:
         """Allocate the next integer from a counter key (1, 2, ...), by a CAS loop."""
+        return (await self.next_ids(counter_key, 1)).start
+
+    async def next_ids(self, counter_key: str, n: int) -> range:
+        """Allocate ``n`` consecutive integers from a counter key with one CAS (retried on conflict):
+        callers that create many things at once take a block instead of racing for each id."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, not {n}")
         while True:
             cur = await self.get(counter_key)
-            n = int(cur.value) + 1 if cur else 1
-            if await self.cas(counter_key, str(n).encode(), cur.version if cur else 0) is not None:
-                return n
+            last = int(cur.value) if cur else 0
+            if await self.cas(counter_key, str(last + n).encode(), cur.version if cur else 0) is not None:
+                return range(last + 1, last + n + 1)

@@ -15,6 +15,7 @@ only writer and assigns the offsets, and a producer that was taken over fails it
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import uuid
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from bookie.runtime import tune_malloc
 from fragments.compaction import DATA_LEDGER_PREFIX, CompactionPolicy, InvalidCompactionPolicy, normalise_cleanup_policy
 from fragments.compaction import POLICY_KEYS as COMPACTION_KEYS
-from fragments.ledgers import LedgerExists, NoSuchLedger
+from fragments.ledgers import LEDGER_ID_COUNTER, LedgerExists, NoSuchLedger
 from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
 from fragments.retention import POLICY_KEYS as RETENTION_POLICY_KEYS
@@ -59,6 +60,8 @@ from .topics import (
     rollover_caps,
     topic_key,
 )
+
+CREATE_CONCURRENCY = 64  # partitions of a new topic created at once
 
 # what a new partition takes over from partition 0's retention: the policies, not the jobs' state
 # nor keep_from (a record offset of partition 0's)
@@ -184,22 +187,37 @@ class ScrollClient:
         if await self.cluster.store.get(topic_key(name)) is not None:
             raise TopicExists(f"topic {name!r} already exists")
         meta = TopicMeta(name, partitions, configs=configs)
-        for p in range(partitions):
-            await self._create_partition_stream(partition_stream(name, p), config, retention, reuse_streams)
+        await self._create_partition_streams(name, range(partitions), config, retention, reuse_streams)
         if await self.cluster.store.create(topic_key(name), meta.encode()) is None:
             raise TopicExists(f"topic {name!r} already exists")
         return meta
 
-    async def _create_partition_stream(self, name: str, config: LedgerConfig, retention, reuse: bool) -> None:
+    async def _create_partition_streams(self, topic: str, partitions: range, config: LedgerConfig, retention,
+                                        reuse: bool) -> None:
+        """The streams of ``partitions``: one look at the bookies, one placer (the partitions spread
+        evenly), one block of ledger ids, and CREATE_CONCURRENCY streams created at once (a batching
+        store sends each wave's reads and transactions as one request)."""
         await self.cluster.refresh_bookies()
-        live = self.cluster.live()
+        placement = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
+        ids = await self.cluster.store.next_ids(LEDGER_ID_COUNTER, len(partitions))
+        todo = list(zip(partitions, ids, strict=True))
+        for lo in range(0, len(todo), CREATE_CONCURRENCY):
+            done = await asyncio.gather(*(
+                self._create_partition_stream(partition_stream(topic, p), config, retention, reuse,
+                                              placement=placement, ledger_id=i)
+                for p, i in todo[lo:lo + CREATE_CONCURRENCY]), return_exceptions=True)
+            failed = next((x for x in done if isinstance(x, BaseException)), None)
+            if failed is not None:  # (after the whole wave: no creation is left running)
+                raise failed
+
+    async def _create_partition_stream(self, name: str, config: LedgerConfig, retention, reuse: bool, *,
+                                       placement: Placement, ledger_id: int) -> None:
         try:
-            ens = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in live]).choose(
-                config.ensemble_size)
+            ens = placement.choose(config.ensemble_size)
         except NotEnoughBookies as exc:
             raise NoBookiesAvailable(f"cannot create {name!r}: {exc}") from exc
         try:
-            await self.cluster.ledgers.create_ledger(name, config, ens, retention)
+            await self.cluster.ledgers.create_ledger(name, config, ens, retention, ledger_id=ledger_id)
         except LedgerExists as exc:
             if not reuse:
                 raise StreamExists(f"stream {name!r} already exists") from exc
@@ -351,9 +369,8 @@ class ScrollClient:
             raise InvalidArgument(f"topic {name!r} has {cur.partitions} partitions; cannot grow it to {total}")
         first, _ = await self.cluster.ledgers.get_ledger(partition_stream(name, 0))
         retention = {k: v for k, v in first.retention.items() if k in _COPIED_POLICY_KEYS}
-        for p in range(cur.partitions, total):
-            await self._create_partition_stream(partition_stream(name, p), first.config, retention or None,
-                                                reuse=True)
+        await self._create_partition_streams(name, range(cur.partitions, total), first.config, retention or None,
+                                             reuse=True)
         if await self.cluster.store.get(topic_key(name)) is None:
             await self.cluster.store.create(topic_key(name), cur.encode())
         return await self.update_topic(name, lambda t: TopicMeta(t.name, max(t.partitions, total), t.topic_id,

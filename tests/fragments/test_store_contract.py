@@ -239,6 +239,19 @@ def test_next_id_is_unique_under_concurrency(store: MetadataStore, run):
     run(body())
 
 
+def test_next_ids_allocates_disjoint_blocks(store: MetadataStore, run):
+    """A block of ids in one allocation (a topic's partitions), disjoint from concurrent ones."""
+    async def body():
+        assert await store.next_ids("/ids/z", 5) == range(1, 6)
+        blocks = await asyncio.gather(*(store.next_ids("/ids/z", 3) for _ in range(10)), store.next_id("/ids/z"))
+        got = sorted(i for b in blocks for i in (b if isinstance(b, range) else [b]))
+        assert got == list(range(6, 37))
+        with pytest.raises(ValueError):
+            await store.next_ids("/ids/z", 0)
+
+    run(body())
+
+
 def test_concurrent_cas_race(store: MetadataStore, run):
     """Many tasks increment one counter by CAS: every success is counted exactly once."""
 
