@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from aiokafka.record.default_records import DefaultRecordBatch
 
 from fragments.ledgers import BOOKIES, ROOT
+from fragments.memstore import LeaseExpired
 from fragments.store import MetadataError
 
 from .batches import (
@@ -531,7 +532,14 @@ class _Liveness:
         w = p._driver.writer
         value = json.dumps({"term": w.term, "stream": p._driver.name, "host": socket.gethostname(), "pid": os.getpid(),
                             "since": time.time()}).encode()
-        p._writer_key_version = await self.store.put(writer_key(p.stream_id), value, lease=lease)
+        try:
+            p._writer_key_version = await self.store.put(writer_key(p.stream_id), value, lease=lease)
+        except LeaseExpired:
+            if given:
+                raise
+            # our lease lapsed (the process stalled past its TTL) before the keep-alive noticed
+            lease = await self._replace_lease(lease)
+            p._writer_key_version = await self.store.put(writer_key(p.stream_id), value, lease=lease)
         p._writer_lease_given = given
         self.producers.add(p)
         if not any(t.get_name() == "writer-registry-watch" and not t.done() for t in self._tasks):
@@ -571,25 +579,31 @@ class _Liveness:
             return self._lease
 
     async def _keepalive(self) -> None:
-        from fragments.memstore import LeaseExpired
-
         while True:
             lease = self._lease
             await asyncio.sleep(lease.ttl_s / 3)
             try:
-                await lease.refresh()
-            except LeaseExpired:
-                # this process was stalled past the TTL: its writer keys are gone (autorecovery may
-                # take those streams over; the writers then learn it as StaleTermError). Keys of
-                # writers still open are put again under a new lease.
-                log.warning("the writer lease expired: writer keys are put again under a new one")
-                self._lease = await self.store.grant_lease(WRITER_LEASE_TTL_S)
-                for p in list(self.producers):
-                    if not p._writer_lease_given and p._driver.writer.engaged and p._failure is None:
-                        with contextlib.suppress(MetadataError):
-                            await self.join(p, self._lease)
-            except MetadataError as exc:
+                try:
+                    await lease.refresh()
+                except LeaseExpired:
+                    await self._replace_lease(lease)
+            except MetadataError as exc:  # (the store is unreachable: the next round tries again)
                 log.warning("keeping the writer lease alive failed: %s", exc)
+
+    async def _replace_lease(self, old):
+        """``old``, our lease, expired: this process was stalled past the TTL and its writer keys
+        are gone (autorecovery may take those streams over; the writers then learn it as
+        StaleTermError). A new lease, and the keys of writers still open put again under it."""
+        async with self._lease_lock:
+            if self._lease is not old and self._lease is not None:
+                return self._lease  # replaced already (by the keep-alive or another join)
+            log.warning("the writer lease expired: writer keys are put again under a new one")
+            new = self._lease = await self.store.grant_lease(WRITER_LEASE_TTL_S)
+        for p in list(self.producers):
+            if not p._writer_lease_given and p._driver.writer.engaged and p._failure is None:
+                with contextlib.suppress(MetadataError):
+                    await self.join(p, new)
+        return new
 
     async def _watch(self) -> None:
         while True:

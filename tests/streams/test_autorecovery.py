@@ -466,6 +466,15 @@ def test_a_writer_whose_lease_lapsed_holds_its_key_again(rcluster):
             await until(lambda: store.get(key), "the writer key put again", timeout_s=30)
             assert live._lease is not old and json.loads((await store.get(key)).value)["term"] == p.term
             assert await p.append(b"two") == 1
+            # lapsed again, and a producer opens before the keep-alive notices: its open replaces
+            # the lease and puts every open writer's key again (it failed with LeaseExpired)
+            await c.create_stream("autorec-relapse-2", ensemble=3, write_quorum=3, ack_quorum=2)
+            old = live._lease
+            await old.revoke()
+            q = await c.producer("autorec-relapse-2")
+            assert live._lease is not old and await store.get(writer_key(q.stream_id)) is not None
+            assert await store.get(key) is not None
+            await q.close()
             await p.close()
             assert await store.get(key) is None and live._lease is None  # the last producer closed: lease revoked
         finally:
