@@ -145,6 +145,21 @@ def is_data_ledger(name: str) -> bool:
     return name.startswith(DATA_PREFIX)
 
 
+async def job_targets(client, stream: str | None, metas: list[LedgerMeta] | None,
+                      names: set[str] | None) -> tuple[list[LedgerMeta], list[LedgerMeta] | None]:
+    """What a lifecycle run (compaction, offload) acts on, and the ledger records it knows: only
+    ``stream``'s record (``NoSuchStream`` if there is none; no records listed), or every user stream
+    of ``metas`` (listed here when None) that ``names`` holds, when given."""
+    ledgers: LedgerStore = client.cluster.ledgers
+    if stream is not None:
+        try:
+            return [(await ledgers.get_ledger(stream))[0]], metas
+        except NoSuchLedger:
+            raise NoSuchStream(f"no stream named {stream!r}") from None
+    metas = await ledgers.list_ledgers() if metas is None else metas
+    return [m for m in metas if not is_data_ledger(m.name) and (names is None or m.name in names)], metas
+
+
 def _data_name(ledger_id: int, started_ms: int, pass_id: str, index: int) -> str:
     return f"{DATA_PREFIX}{ledger_id:012d}/{started_ms}-{pass_id}-{index}"
 
@@ -186,15 +201,7 @@ async def run_compaction(client, stream: str | None = None, dry_run: bool = Fals
     here. ``names``: compact only these streams (a scheduler's choice, see ``wanted``); the sweep of
     data ledgers still looks at every record of ``metas``. ``_fault(step)`` is a test hook called after each step ("claimed",
     "written", "switched a chunk", "switched", "trimmed") that may raise to simulate a crash there."""
-    ledgers: LedgerStore = client.cluster.ledgers
-    if stream is not None:
-        try:
-            targets = [(await ledgers.get_ledger(stream))[0]]
-        except NoSuchLedger:
-            raise NoSuchStream(f"no stream named {stream!r}") from None
-    else:
-        metas = await ledgers.list_ledgers() if metas is None else metas
-        targets = [m for m in metas if not is_data_ledger(m.name) and (names is None or m.name in names)]
+    targets, metas = await job_targets(client, stream, metas, names)
     reports = []
     for m in targets:
         try:

@@ -60,7 +60,7 @@ from ..consumer import Consumer
 from ..errors import NoSuchStream, ScrollError
 from ..tier.objstore import ObjectExists, ObjectMissing, ObjectStore, ObjectStoreError, TierConfig
 from ..tier.segment import FOOTER_BYTES, SegmentBuilder, SegmentFormatError, verify
-from .compaction import CompactionIncomplete, _trim, delete_data_ledger, is_data_ledger
+from .compaction import CompactionIncomplete, _trim, delete_data_ledger, is_data_ledger, job_targets
 from .retention import _last_batch_timestamp, _with_offsets
 
 log = logging.getLogger(__name__)
@@ -156,16 +156,8 @@ async def run_tier(client, stream: str | None = None, dry_run: bool = False, *, 
     choice, see ``wanted``). ``_fault(step, fragment)`` is a test hook called at each step ("intent", "putting" (just
     before the PUT), "put", "offloaded", "released", "trimmed"); it may raise, or block, to simulate a
     crash there."""
-    ledgers: LedgerStore = client.cluster.ledgers
     objects = objects or await object_store_of(client)
-    if stream is not None:
-        try:
-            targets = [(await ledgers.get_ledger(stream))[0]]
-        except NoSuchLedger:
-            raise NoSuchStream(f"no stream named {stream!r}") from None
-    else:
-        metas = await ledgers.list_ledgers() if metas is None else metas
-        targets = [m for m in metas if not is_data_ledger(m.name) and (names is None or m.name in names)]
+    targets, metas = await job_targets(client, stream, metas, names)
     if objects is None:
         asked = [m.name for m in targets if TierPolicy.from_dict(_safe(m.retention)).remote_storage_enable]
         if asked:
