@@ -36,6 +36,15 @@ def rcluster(tmp_path_factory):
     c.stop()
 
 
+def run_then_resume(main, rcluster, stopped: list[int]) -> None:
+    """``asyncio.run(main())``, then SIGCONT every bookie it left stopped, even when it failed."""
+    try:
+        asyncio.run(main())
+    finally:
+        for i in stopped:
+            rcluster.bookies[i].signal(signal.SIGCONT)
+
+
 async def until(cond, what: str, timeout_s: float = 60.0, every_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -290,11 +299,7 @@ def test_delay_drops_a_bookie_that_returns_and_an_open_fragment_is_taken_over(rc
             await task
             await c.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        for i in stopped:
-            rcluster.bookies[i].signal(signal.SIGCONT)
+    run_then_resume(main, rcluster, stopped)
 
 
 async def _not_lost(c, b):
@@ -514,11 +519,7 @@ def test_a_stopped_bookie_is_asked_for_the_lac_last(rcluster):
         finally:
             await c.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        for i in stopped:
-            rcluster.bookies[i].signal(signal.SIGCONT)
+    run_then_resume(main, rcluster, stopped)
 
 
 async def _gone(c, b):
