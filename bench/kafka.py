@@ -223,10 +223,10 @@ def produce(bootstrap: str, topic: str, partitions: int, records: int, value_byt
     p.list_topics(topic, timeout=10)
     t0 = time.perf_counter()
     for i in range(records):
-        if rate is not None and i % 50 == 0:  # paced: never ahead of the schedule
-            ahead = t0 + i / rate - time.perf_counter()
-            if ahead > 0:
-                p.poll(ahead)
+        # paced: each record at its time, as the native paced phase (poll() returns as soon as it has
+        # served a delivery report, so it is called until the time has come)
+        while rate is not None and (ahead := t0 + i / rate - time.perf_counter()) > 0:
+            p.poll(ahead)
         while True:
             try:
                 p.produce(topic, value=value, partition=i % partitions, on_delivery=report)
@@ -716,7 +716,11 @@ def throughput(args, cluster, base: Path, results: dict) -> None:
             tail = ctx.Process(target=tail_consumer, args=(bootstrap, topic, args.partitions, paced_n, ready, out))
             tail.start()
             ready.wait(60)
+            spies = start_spy(f"paced-linger{linger}")
+            c0 = cpu_s(shim.pid)
             paced = produce(bootstrap, topic, args.partitions, paced_n, args.value_bytes, rate=args.rate, conf=conf)
+            paced["shim_cpu_us_per_record"] = (cpu_s(shim.pid) - c0) / paced_n * 1e6  # the tail's reads included
+            stop_spy(spies)
             results["paced_by_linger"][linger] = paced
             results.setdefault("paced", paced)
             tail_res = out.get(timeout=120)
@@ -727,7 +731,8 @@ def throughput(args, cluster, base: Path, results: dict) -> None:
                   f"{paced['records_per_s']:,.0f} records/s, delivery latency p50 "
                   f"{paced['p50_ms']:.1f} ms p99 {paced['p99_ms']:.1f} ms (p50 - linger.ms: "
                   f"{paced['p50_ms'] - paced['linger_ms']:.1f} ms; native append p50 {nat['paced_p50_ms']:.2f} ms); "
-                  f"end to end p50 {paced['e2e_p50_ms']:.1f} ms p99 {paced['e2e_p99_ms']:.1f} ms", flush=True)
+                  f"end to end p50 {paced['e2e_p50_ms']:.1f} ms p99 {paced['e2e_p99_ms']:.1f} ms; shim CPU "
+                  f"{paced['shim_cpu_us_per_record']:.1f} µs/record (tailed)", flush=True)
 
         spies = start_spy("consume")
         c0, b0 = cpu_s(shim.pid), bookies_cpu()
