@@ -14,13 +14,14 @@ runs as its own process. Then, on a fresh topic of ``--partitions`` partitions:
   acknowledgement); end-to-end latency is the consumer's receive time minus the record's
   CreateTime (producer wall clock, ms resolution; same machine).
 * paced: the same producer and tailing consumer at a fixed ``--rate`` (records/s) for
-  ``--paced-seconds``: delivery and end-to-end latency when the shim keeps up (at full speed the
-  latencies above are mostly time queued in the producer).
+  ``--paced-seconds``, each record produced at its time (as the native paced phase): delivery and
+  end-to-end latency when the shim keeps up (at full speed the latencies above are mostly time
+  queued in the producer), and the shim's CPU per record (its tailing consumer's fetches included).
 * consume only: a fresh consumer reads the whole topic from offset 0: records/s, MB/s.
 
 CPU seconds (from /proc) per record are given for the shim and for the three bookies together.
-``--profile`` runs py-spy (``--py-spy PATH``) on the shim during the produce phase and writes a
-flame graph SVG and the top functions.
+``--profile`` runs py-spy (``--py-spy PATH``) on the shim during each produce, paced and consume
+phase and writes a flame graph SVG and the raw stacks (``shim-<phase>.{svg,txt}``).
 
     .venv/bin/python bench/kafka.py                                # 300k records, 4 partitions
     .venv/bin/python bench/kafka.py --records 100000 --json bench/results/kafka.json
