@@ -322,32 +322,59 @@ def decode_error(body: memoryview) -> tuple[int, str]:
 
 class FrameReader:
     """Splits a byte stream into frames: ``feed`` returns complete (op, id, body) frames; the body
-    is a memoryview that stays valid (each frame's bytes are copied out of the buffer once)."""
+    is a memoryview that stays valid.
 
-    __slots__ = ("buf", "max_frame_bytes")
+    Each chunk is parsed where it lies: a frame that fills most of its chunk (a large add or read
+    answer) is a view of the chunk, no copy; a small one is copied out (so a small body kept for
+    long does not pin a large chunk: a view pins at most twice its size). The tail of a frame not
+    yet complete is kept as the chunks it came in and joined once (one copy) when the frame is
+    complete, rather than appended to a growing buffer and copied out again."""
+
+    __slots__ = ("_chunks", "_have", "_need", "max_frame_bytes")
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES_DEFAULT) -> None:
-        self.buf = bytearray()
+        self._chunks: list[bytes] = []  # an incomplete frame (and what came after it)
+        self._have = 0  # bytes in _chunks
+        self._need = 0  # bytes _chunks must hold before they are parsed again
         self.max_frame_bytes = max_frame_bytes
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held of frames not yet complete."""
+        return self._have
+
     def feed(self, data) -> list[tuple[int, int, memoryview]]:
-        buf = self.buf
-        buf += data
+        if type(data) is not bytes:  # a view of a buffer its owner reuses: the frames must not share it
+            data = bytes(data)
+        if self._chunks:
+            self._chunks.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return []
+            data = b"".join(self._chunks)
+            self._chunks = []
+            self._have = 0
         out = []
         off = 0
-        n = len(buf)
+        n = len(data)
         hs = FRAME.size
-        with memoryview(buf) as view:
-            while n - off >= hs:
-                length, op, rid = FRAME.unpack_from(buf, off)
-                if length < 5 or length > self.max_frame_bytes:
-                    raise FrameError(f"frame length {length} outside 5..{self.max_frame_bytes}")
-                end = off + 4 + length
-                if end > n:
-                    break
-                with view[off + hs:end] as part:
-                    out.append((op, rid, memoryview(bytes(part))))
-                off = end
-        if off:
-            del buf[:off]
+        view = memoryview(data)
+        need = hs
+        while n - off >= hs:
+            length, op, rid = FRAME.unpack_from(data, off)
+            if length < 5 or length > self.max_frame_bytes:
+                raise FrameError(f"frame length {length} outside 5..{self.max_frame_bytes}")
+            end = off + 4 + length
+            if end > n:
+                need = 4 + length
+                break
+            if 2 * (end - off - hs) >= n:  # most of the chunk: a view of it
+                out.append((op, rid, view[off + hs:end]))
+            else:
+                out.append((op, rid, memoryview(data[off + hs:end])))
+            off = end
+        if off < n:
+            self._chunks.append(data[off:] if off else data)
+            self._have = n - off
+            self._need = need
         return out

@@ -290,6 +290,7 @@ def _old_schema(api_key: int, version: int, request: bool) -> type | None:
     return _derive(base, version, req_edits if request else resp_edits, flexible, header)
 
 
+@functools.cache  # kio resolves the module path on every call: each request would pay it
 def request_schema(api_key: int, version: int) -> type:
     """The request schema of (api key, version): kio's, or derived for a version kio lacks."""
     return _old_schema(api_key, version, True) or load_request_schema(api_key, version)
@@ -483,6 +484,7 @@ def encode_request(body: Any, correlation_id: int, client_id: str | None = "scro
 
 
 # ---------------------------------------------------------------- responses
+@functools.cache
 def response_schema(api_key: int, version: int) -> type:
     return _old_schema(api_key, version, False) or load_response_schema(api_key, version)
 
@@ -523,8 +525,13 @@ def unsupported_api_versions_response(correlation_id: int) -> bytes:
 def build(cls: type, **values: Any) -> Any:
     """Construct a kio entity of any version from the superset of fields we know: values for fields
     this version does not have are dropped; missing ones take the schema default."""
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = _field_names(cls)
     return cls(**{k: v for k, v in values.items() if k in names})
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def nested(body_cls: type, name: str) -> type:

@@ -230,8 +230,8 @@ def bookie_frames(data: bytes) -> None:
             frames += reader.feed(stream[i:i + step])
     except wire.FrameError:
         pass
-    if len(reader.buf) > 4 + (1 << 16) + step:
-        raise ContractViolation(f"{len(reader.buf)} bytes buffered, over one frame")
+    if reader.buffered > 4 + (1 << 16) + step:
+        raise ContractViolation(f"{reader.buffered} bytes buffered, over one frame")
     for op, _rid, body in frames:
         try:
             if op == wire.ADD:
