@@ -108,8 +108,12 @@ log = logging.getLogger(__name__)
 # (``append_records``, ``PartitionConfig.merge_batch_bytes``): those accumulate in the producer's open
 # batch while an entry is in flight (its Nagle rule), so under load many small Kafka batches share
 # one entry. In-flight entries are bounded by the writer's limits rather than a small batch window.
+# A merged batch is at most MERGED_BATCH_BYTES: a loaded listener otherwise merged up to 1 MiB into
+# one batch, which a consumer then had to take whole (the first batch of a fetch always is) however
+# small its max.partition.fetch.bytes, and which a fetch quota's window could not hold.
 _I32 = struct.Struct(">i")
-LISTENER_PRODUCER = ProducerOptions(max_inflight_batches=100_000)
+MERGED_BATCH_BYTES = 256 << 10
+LISTENER_PRODUCER = ProducerOptions(max_inflight_batches=100_000, batch_bytes=MERGED_BATCH_BYTES)
 _MAX_CURSORS = 4096
 
 

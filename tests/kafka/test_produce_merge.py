@@ -97,3 +97,24 @@ def test_a_batch_with_a_damaged_record_is_refused_whole(shim, topic):
         r = _produce(conn, topic, good)
         assert (r.error_code, r.base_offset) == (ErrorCode.none, 1)
     assert [v for _, _, v, _, _ in _read(shim.bootstrap, topic, 2)] == [b"ok", b"after"]
+
+
+def test_merged_batches_stay_within_a_consumers_fetch_size(shim, topic):
+    """Small batches share entries, but a merged batch is at most MERGED_BATCH_BYTES (256 KiB): a
+    consumer takes a fetch's first batch whole however small its max.partition.fetch.bytes, so a
+    listener under load merging up to 1 MiB broke that bound (and a fetch quota's window)."""
+    from compat_kafka.partitions.partition import MERGED_BATCH_BYTES
+
+    _create(shim, topic)
+    value = b"x" * 1000
+    small = [_batch([(None, value, [], 1000 + j) for j in range(15)]) for _ in range(48)]  # ~15 KB each
+    assert sum(map(len, small)) > 2.5 * MERGED_BATCH_BYTES
+    with RawConnection(shim.port) as conn:
+        assert _produce(conn, topic, _batch([(None, b"first", [], 1000)])).error_code == ErrorCode.none
+        lac = _lac(shim, topic)
+        r = _produce(conn, topic, b"".join(small))  # one request: merged as they come
+        assert (r.error_code, r.base_offset) == (ErrorCode.none, 1)
+        entries = _lac(shim, topic) - lac
+    assert 3 <= entries < len(small), entries  # merged (not one entry each), but not all into one
+    got = _read(shim.bootstrap, topic, 1 + 48 * 15)
+    assert [o for o, *_ in got] == list(range(1 + 48 * 15)) and all(v == value for _o, _k, v, _h, _t in got[1:])
