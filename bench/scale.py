@@ -263,14 +263,20 @@ async def phase_fragments(args) -> dict:
     rows = []
     async with Cluster("fragments", args.keep) as c:
         for f in (10, args.fragments):
+            m0 = _etcd_metrics(c.lc.etcd_port)
             r = await _one_fragment_curve(c.client, f"frag-{f}", f, args.entries_per_fragment)
+            m1 = _etcd_metrics(c.lc.etcd_port)
+            # etcd keeps every revision (nothing compacts its history): what the stream's writes,
+            # rollovers and retention cost the db file, per fragment the stream ever had
+            r["etcd_db_bytes_per_fragment"] = (m1["etcd_mvcc_db_total_size_in_bytes"]
+                                               - m0["etcd_mvcc_db_total_size_in_bytes"]) / f
             r["load"] = os.getloadavg()
             rows.append(r)
     ref, big = rows
     print(f"\n{'':24} {'10 fragments':>14} {big['fragments']:>8} fragments {'ratio':>8}")
     for k in ("write_s", "open_producer_ms", "open_consumer_ms", "seek_middle_ms", "seek_end_ms",
               "seek_timestamp_ms", "describe_ms", "retention_half_ms", "fragment_key_bytes",
-              "fragments_after_retention"):
+              "fragments_after_retention", "etcd_db_bytes_per_fragment"):
         ratio = big[k] / ref[k] if ref[k] else float("nan")
         print(f"{k:24} {ref[k]:>14.1f} {big[k]:>18.1f} {ratio:>8.1f}")
     print(f"  load {big['load'][0]:.2f}; reference = the same on a 10-fragment stream, same cluster", flush=True)
