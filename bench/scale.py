@@ -48,7 +48,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
+try:
+    import psutil
+except ImportError:  # the bench extra
+    sys.exit("bench/scale.py needs psutil: .venv/bin/pip install -e '.[bench]'")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
