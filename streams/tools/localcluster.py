@@ -157,7 +157,7 @@ class LocalCluster:
                  etcd_peer_port: int | None = None, bookie_metrics_ports: list[int] | None = None,
                  etcd_password: str | None = None, etcd_tls: EtcdTLSFiles | None = None,
                  etcd_auth_token_ttl: int | None = None, etcd_args: list[str] | None = None,
-                 secure_bookies: bool | str = False, bookie_ca=None):
+                 secure_bookies: bool | str = False, bookie_ca=None, etcd_compaction_retention: str = "1h"):
         self.dir = Path(data_dir).resolve()
         self.n = bookies
         self.python = python or sys.executable
@@ -170,6 +170,10 @@ class LocalCluster:
         self.etcd_tls = etcd_tls
         self.etcd_auth_token_ttl = etcd_auth_token_ttl  # etcd's --auth-token-ttl (s); tests shorten it
         self.etcd_args = etcd_args or []
+        # etcd keeps every revision of every key until compacted; each compare-and-set leaves one, so
+        # without compaction its db grows until the 2 GiB quota refuses every write (NOSPACE). A
+        # watch that resumes from a compacted revision lists again (fragments.etcdstore).
+        self.etcd_compaction_retention = etcd_compaction_retention
         self.etcd: Proc | None = None
         self.bookies: list[Proc] = []
         mode = "token" if secure_bookies is True else (secure_bookies or None)
@@ -218,7 +222,8 @@ class LocalCluster:
         args = [find_etcd(), "--name", "scroll", "--data-dir", str(d / "data"),
                 "--listen-client-urls", url, "--advertise-client-urls", url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"scroll={peer}", "--log-level", "warn"]
+                "--initial-cluster", f"scroll={peer}", "--log-level", "warn",
+                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", self.etcd_compaction_retention]
         if tls:
             args += ["--cert-file", tls.cert, "--key-file", tls.key]
             if tls.client_cert:
