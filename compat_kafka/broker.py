@@ -352,6 +352,10 @@ class Broker:
         await self.ownership.close()
 
     # ---------------------------------------------------------------- topics and partitions
+    def open_partitions(self) -> list[PartitionLog]:
+        """The partitions open here now (a copy: opening and closing goes on)."""
+        return list(self._logs.values())
+
     async def topic(self, name: str) -> TopicMeta | None:
         """The topic (a stream without a topic record is a one-partition topic), or None."""
         try:

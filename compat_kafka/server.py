@@ -536,13 +536,9 @@ class _WritersHeld:
         now = asyncio.get_running_loop().time()
         if now - self._at >= _HELD_RECHECK_S:
             total = 0
-            for plog in list(getattr(self.broker, "_logs", {}).values()):
-                producer = getattr(plog, "producer", None)
-                if producer is None:
-                    continue
-                total += getattr(producer, "_ready_bytes", 0)
-                writer = getattr(getattr(producer, "_driver", None), "writer", None)
-                total += getattr(writer, "inflight_bytes", 0)
+            for plog in self.broker.open_partitions():
+                if plog.producer is not None:
+                    total += plog.producer.held_bytes
             self._at, self._value = now, total
         return self._value
 

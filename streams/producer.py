@@ -472,6 +472,12 @@ class Producer:
         self._ready_bytes = 0
         self._space.set()
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this producer holds: sealed batches waiting for the writer, and entries the writer
+        keeps until every bookie of their write quorum has them (to resend them)."""
+        return self._ready_bytes + self._driver.writer.inflight_bytes
+
     def _has_space(self) -> bool:
         open_bytes = self._open.size() if self._open is not None else 0
         return self._ready_bytes + open_bytes < self.options.buffer_bytes
