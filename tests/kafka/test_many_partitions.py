@@ -288,13 +288,7 @@ def test_opening_many_partitions_batches_metadata_requests(bounded_shim, cluster
     create_topic(bounded_shim.bootstrap, topic, parts)
     before = _etcd_requests(cluster)
     produce_each(bounded_shim.bootstrap, topic, parts, 1)
-    deadline = time.monotonic() + 60  # until the snapshot writes after the produce are done
-    while True:
-        mid = _etcd_requests(cluster)
-        time.sleep(1.5)
-        if _etcd_delta(mid, _etcd_requests(cluster))[1] == 0:
-            break
-        assert time.monotonic() < deadline, "etcd kept receiving requests"
+    _until_quiet(cluster)  # until the snapshot writes after the produce are done
     _, others = _etcd_delta(before, _etcd_requests(cluster))
     # measured: ~530 before batching (8.3 per partition), 90-130 after
     assert others <= 3 * parts, others
