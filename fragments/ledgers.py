@@ -30,6 +30,7 @@ BOOKIES = f"{ROOT}/bookies/"
 MAX_NAME_LEN = 512
 _TXN_WRITES = 128  # etcd's default --max-txn-ops
 _LIST_CONCURRENCY = 32
+_LIST_CHUNK = 128  # meta records read in one request (etcd's default --max-txn-ops)
 
 
 def ledger_prefix(ledger_id: int) -> str:
@@ -257,21 +258,24 @@ class LedgerStore:
         return result.versions[meta_key(meta.ledger_id)] if result.succeeded else None
 
     async def list_ledgers(self) -> list[LedgerMeta]:
-        """Every ledger, by id (one range read of the names, then the meta records)."""
+        """Every ledger, by id (one range read of the names, then the meta records, read
+        ``_LIST_CHUNK`` to a request: 30,000 streams took one request each, 18 s)."""
         names = await self.store.list_prefix(BY_NAME)
+        keys = []
+        for key, v in names:
+            try:
+                keys.append(meta_key(int(v.value)))
+            except ValueError as e:
+                raise CorruptMetadata(f"{key}: not a ledger id: {v.value!r}") from e
         sem = asyncio.Semaphore(_LIST_CONCURRENCY)
 
-        async def one(key: str, raw: bytes) -> LedgerMeta | None:
-            try:
-                ledger_id = int(raw)
-            except ValueError as e:
-                raise CorruptMetadata(f"{key}: not a ledger id: {raw!r}") from e
+        async def chunk(part: list[str]) -> list[LedgerMeta]:
             async with sem:
-                got = await self.store.get(meta_key(ledger_id))
-            return None if got is None else _parse_meta(got.value, meta_key(ledger_id))
+                got = await self.store.get_many(part)
+            return [_parse_meta(g.value, k) for k, g in zip(part, got, strict=True) if g is not None]
 
-        metas = await asyncio.gather(*(one(k, v.value) for k, v in names))
-        return sorted((m for m in metas if m is not None), key=lambda m: m.ledger_id)
+        chunks = await asyncio.gather(*(chunk(keys[i:i + _LIST_CHUNK]) for i in range(0, len(keys), _LIST_CHUNK)))
+        return sorted((m for c in chunks for m in c), key=lambda m: m.ledger_id)
 
     async def delete_ledger(self, name: str) -> None:
         """Remove the ledger: name and meta atomically (the ledger is gone for everyone at once,

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from fragments.ledgers import (
+    LEDGER_ID_COUNTER,
     LedgerExists,
     LedgerStore,
     NoSuchFragment,
@@ -175,6 +176,19 @@ def test_metadata_does_not_grow_with_the_stream(store: MetadataStore, run):
 
     run(body(), timeout=60)
 
+
+def test_list_reads_the_meta_records_a_chunk_at_a_time(store: MetadataStore, run):
+    """More ledgers than one request reads (128): every one listed, in id order, none twice."""
+    async def body():
+        ls = LedgerStore(store)
+        ids = await store.next_ids(LEDGER_ID_COUNTER, 300)
+        made = list(await asyncio.gather(*(ls.create_ledger(f"many-{i}", CONFIG, ENSEMBLE, ledger_id=lid)
+                                           for i, lid in enumerate(ids))))
+        await ls.delete_ledger("many-7")
+        want = sorted((m for m, _v in made if m.name != "many-7"), key=lambda m: m.ledger_id)
+        assert await ls.list_ledgers() == want
+
+    run(body())
 
 def test_list_and_delete(store: MetadataStore, run):
     async def body():
