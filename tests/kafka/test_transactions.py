@@ -878,6 +878,18 @@ def test_a_commit_prepared_by_a_killed_coordinator_is_finished_by_the_next(eos_c
                 break
             assert time.monotonic() < deadline, "no partition moved to the joining listener"
             time.sleep(0.2)
+        # ... and until ``owner`` has claimed it: a survivor that did not see ``fresh`` yet may have
+        # claimed it first (then its commit needs no marker from ``owner`` and the take-over this
+        # test is about never happens). Records without a transaction until the claim shows.
+        from compat_kafka.cluster.ownership import partition_key
+
+        warm = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
+        warmed = 0
+        while f"claimed {partition_key(topic, part)}" not in owner.log_text():
+            assert time.monotonic() < deadline, "the joining listener never claimed the partition"
+            warm.produce(topic, b"warm-up", partition=part)
+            assert warm.flush(30) == 0
+            warmed += 1
         p = txn_producer(bootstrap, txn_id, **{"transaction.timeout.ms": 60_000})
         p.begin_transaction()
         p.produce(topic, b"prepared", partition=part)
@@ -896,7 +908,7 @@ def test_a_commit_prepared_by_a_killed_coordinator_is_finished_by_the_next(eos_c
         assert result == [None], result
         assert f"txn={txn_id} loaded" in owner.log_text() and "state PrepareCommit" in owner.log_text()
         got = read_all(owner.bootstrap, topic, "read_committed", 16)
-        assert [v for _, _, v in got] == [b"prepared"]
+        assert [v for _, _, v in got] == [b"warm-up"] * warmed + [b"prepared"]
     finally:
         for s in [fresh, *listeners]:
             s.signal(signal.SIGCONT)
