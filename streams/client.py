@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from bookie.runtime import tune_malloc
 from fragments.compaction import DATA_LEDGER_PREFIX, CompactionPolicy, InvalidCompactionPolicy, normalise_cleanup_policy
 from fragments.compaction import POLICY_KEYS as COMPACTION_KEYS
-from fragments.ledgers import LEDGER_ID_COUNTER, LedgerExists, NoSuchLedger
+from fragments.ledgers import LedgerExists, NoSuchLedger
 from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
 from fragments.retention import POLICY_KEYS as RETENTION_POLICY_KEYS
@@ -199,7 +199,7 @@ class ScrollClient:
         store sends each wave's reads and transactions as one request)."""
         await self.cluster.refresh_bookies()
         placement = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
-        ids = await self.cluster.store.next_ids(LEDGER_ID_COUNTER, len(partitions))
+        ids = await self.cluster.ledgers.allocate_ids(len(partitions))
         todo = list(zip(partitions, ids, strict=True))
         for lo in range(0, len(todo), CREATE_CONCURRENCY):
             done = await asyncio.gather(*(
