@@ -119,7 +119,7 @@ class BrokerConfig:
     max_fetch_sessions: int = 1000
     # partitions being opened (claimed and taken over) at once: a first produce to a new topic
     # opens all its partitions concurrently, up to this many in flight
-    max_concurrent_opens: int = 32
+    max_concurrent_opens: int = 128
     # rebalancing onto listeners that join later (see Broker._rebalance_loop): off keeps ownership
     # sticky until a listener dies or stops
     rebalance: bool = True
