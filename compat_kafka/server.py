@@ -153,7 +153,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 9092  # 0: any free port (see KafkaServer.port)
     max_frame_bytes: int = codec.MAX_FRAME_BYTES
-    max_inflight_requests: int = 256  # per connection
+    # requests read ahead per connection (each read one is prepared: a produce starts opening its
+    # partitions). librdkafka sends one Produce per partition, pipelined: a first produce to a
+    # 500-partition topic is 500 requests, and a smaller window opened them only as fast as the
+    # in-order dispatcher let the reader read on (their bytes are bounded by the produce budget)
+    max_inflight_requests: int = 1024
     max_connections: int = 1000  # per listener (Kafka's max.connections, listener.name.X.max.connections)
     max_connections_per_ip: int = 0  # Kafka's max.connections.per.ip; 0: no limit
     max_connections_per_ip_overrides: tuple[tuple[str, int], ...] = ()  # (ip, limit): max.connections.per.ip.overrides
