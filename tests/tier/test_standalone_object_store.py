@@ -2,12 +2,15 @@
 an idle platform with no offloading topic pays nothing for it): its start leaves it off when no
 stream turns remote storage on, and its offload job starts it the first time one does; the
 fragments of that stream then reach the object store and read back from there. Real etcd, a real
-bookie, real SeaweedFS; standalone's own loop, with a short offload interval."""
+bookie, real SeaweedFS; standalone's own loop, with a short offload interval. Killed, the store is
+restarted like any child."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 
 import psutil
 import pytest
@@ -42,7 +45,7 @@ def test_the_object_store_starts_when_a_stream_turns_remote_storage_on(tmp_path)
     cluster.start()
     sa = Standalone(StandaloneConfig(data_dir=tmp_path / "sa", etcd_port=cluster.etcd_port, bookies=1,
                                      metrics_port=free_port(), object_store_port=port_block(8), autorecovery=False,
-                                     restart_children=False, tier_interval_s=0.2, retention_interval_s=3600,
+                                     tier_interval_s=0.2, retention_interval_s=3600,
                                      compaction_interval_s=3600, console=False))
 
     async def main():
@@ -78,6 +81,14 @@ def test_the_object_store_starts_when_a_stream_turns_remote_storage_on(tmp_path)
                 got += [r.value for r in batch]
             await c.close()
             assert got == values  # the released fragments read back from the object store
+            # a store started on demand is supervised like the other children: killed, it is
+            # restarted (standalone learns of the exit from its pidfd)
+            os.kill(sa.seaweed.pid, signal.SIGKILL)
+
+            async def restarted() -> bool:
+                return sa.restarts.get("seaweedfs") == 1 and sa.seaweed.alive
+
+            await _until(restarted, "standalone to restart the killed SeaweedFS")
         finally:
             stop.set()
             if loop is not None:
