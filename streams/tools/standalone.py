@@ -78,6 +78,10 @@ class StandaloneConfig:
     secure: bool = False  # TLS and authentication everywhere (implies etcd_auth)
     autorecovery: bool = True  # re-replicate a lost bookie's fragments (streams/tools/autorecovery.py)
     lost_bookie_delay_s: float = 30.0
+    # lease TTLs of the bookies' registrations and of autorecovery (keep-alive every TTL/3). One
+    # host, children restarted by standalone: longer than a cluster's (5 s, 10 s) for fewer wake-ups
+    registration_ttl_s: float = 30.0
+    autorecovery_lease_ttl_s: float = 30.0
     console: bool = True  # the web console (compat_kafka/console/) as a child process
     console_port: int = 9400
 
@@ -210,7 +214,8 @@ class Standalone:
                      "secure_bookies": "token", "bookie_ca": pki}
         self.cluster = LocalCluster(self.dir, bookies=config.bookies, etcd_port=config.etcd_port,
                                     etcd_peer_port=config.etcd_peer_port, bookie_ports=config.bookie_ports,
-                                    bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password, **extra)
+                                    bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password,
+                                    bookie_args=["--registration-ttl", f"{config.registration_ttl_s:g}"], **extra)
         self.kafka: Proc | None = None
         self.console: Proc | None = None
         self.seaweed = self._seaweed() if config.object_store else None
@@ -287,7 +292,7 @@ class Standalone:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.check_ports()
         try:
-            self.cluster.start(timeout_s)
+            self.cluster.start(timeout_s, before_bookies=self.forget_bookies)
             if self.seaweed is not None:
                 self.prepare_object_store(timeout_s)
             if self.secure is not None:
@@ -422,6 +427,7 @@ class Standalone:
             if not b.alive:
                 log.warning("%s exited (%s); restarting it. Log: %s\n%s", b.name, b.popen.returncode, b.log,
                             _tail(b.log, 5))
+                self.forget_bookies([i])  # it registers again at once, not a registration TTL later
                 self.cluster.start_bookie(i, wait=False)
                 restarted.append(b.name)
         if self.kafka is not None and not self.kafka.alive:
@@ -442,6 +448,30 @@ class Standalone:
         for name in restarted:
             self.restarts[name] = self.restarts.get(name, 0) + 1
         return restarted
+
+    def forget_bookies(self, which: list[int] | None = None) -> None:
+        """Delete the registrations of our bookies ``which`` (default: all) that are not running:
+        left by a bookie that died (kill -9, a crash of the whole tree) they would stay until their
+        lease expires (``registration_ttl_s``; etcd renews every lease in full when it restarts), and
+        the bookie starting again would wait for that to register. Only standalone runs bookies with
+        these ids against its etcd, and it starts them."""
+        from fragments.ledgers import bookie_key
+        from fragments.stores import open_store
+
+        ids = [f"bookie-{i}" for i in (range(self.config.bookies) if which is None else which)]
+
+        async def forget() -> None:
+            store = await open_store(self.cluster.metadata_url, security=self.cluster.client_security)
+            try:
+                for bookie_id in ids:
+                    await store.delete(bookie_key(bookie_id))
+            finally:
+                await store.close()
+
+        try:
+            asyncio.run(forget())
+        except Exception as exc:  # noqa: BLE001 - then the bookie waits for the lease to expire
+            log.warning("could not delete the stale registrations of %s: %s", ", ".join(ids), exc)
 
     @staticmethod
     def _child_env() -> dict:
@@ -646,7 +676,8 @@ class Standalone:
             from .autorecovery import AutoRecovery, AutoRecoveryConfig
 
             self.autorecovery = AutoRecovery(client, AutoRecoveryConfig(
-                lost_bookie_delay_s=self.config.lost_bookie_delay_s), registry=self._registry)
+                lost_bookie_delay_s=self.config.lost_bookie_delay_s, lease_ttl_s=self.config.autorecovery_lease_ttl_s),
+                registry=self._registry)
             recovery = asyncio.create_task(self.autorecovery.run(stop), name="autorecovery")
         self._wake = asyncio.Event()
         stop_waiter = asyncio.create_task(self._wake_on(stop), name="standalone stop")
@@ -1003,6 +1034,10 @@ def run(config: StandaloneConfig) -> None:
               help="Re-replicate the fragments of a bookie that stays gone (scroll autorecovery status).")
 @click.option("--lost-bookie-delay", "lost_bookie_delay_s", default=30.0, show_default=True,
               type=click.FloatRange(0), help="Seconds a bookie must be gone before autorecovery re-replicates.")
+@click.option("--registration-ttl", "registration_ttl_s", default=30.0, show_default=True,
+              type=click.FloatRange(1.0, 300.0),
+              help="Lease TTL (s) of the bookies' registrations and of autorecovery: a hung bookie stays in the "
+                   "live set this long (a dead one is restarted and registers again at once).")
 @click.option("--console-port", default=9400, show_default=True, type=click.IntRange(1, 65535),
               help="The web console's port (its URL is printed at start).")
 @click.option("--no-console", is_flag=True, help="Do not run the web console.")
@@ -1010,7 +1045,8 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
                        metrics_port: int, bookies: int, retention_interval_s: float, compaction_interval_s: float,
                        tier_interval_s: float, object_store: bool, object_store_port: int,
                        default_partitions: int, secure: bool, etcd_auth: bool, autorecovery: bool = True,
-                       lost_bookie_delay_s: float = 30.0, console_port: int = 9400, no_console: bool = False) -> None:
+                       lost_bookie_delay_s: float = 30.0, console_port: int = 9400, no_console: bool = False,
+                       registration_ttl_s: float = 30.0) -> None:
     """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
     127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
 
@@ -1033,4 +1069,5 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
                          tier_interval_s=tier_interval_s, object_store=object_store,
                          object_store_port=object_store_port, default_partitions=default_partitions,
                          etcd_auth=etcd_auth, secure=secure, autorecovery=autorecovery,
-                         lost_bookie_delay_s=lost_bookie_delay_s, console=not no_console, console_port=console_port))
+                         lost_bookie_delay_s=lost_bookie_delay_s, console=not no_console, console_port=console_port,
+                         registration_ttl_s=registration_ttl_s, autorecovery_lease_ttl_s=registration_ttl_s))
