@@ -8,7 +8,9 @@ docs/console.md).
 Everything listens on 127.0.0.1 on fixed ports (so a restart finds the same endpoints and the
 fragments that name the bookies still resolve) and each port can be changed. In its own process
 it then serves a metrics endpoint (processes up, restarts, streams and their bytes, retention
-runs) and runs the retention job on a schedule. A child that dies is restarted (with a back-off)
+runs) and runs the retention job on a schedule. The embedded object store (SeaweedFS) starts only
+when something needs it (``prepare_object_store``, ``tier_once``). A child that dies is restarted
+(with a back-off; the loop sleeps until its next job and learns of an exit from the child's pidfd)
 and the restart is counted and logged; Ctrl-C (SIGINT) or SIGTERM stops the Kafka listener, the
 bookies and etcd, in that order, and waits for each. Starting again on the same directory keeps
 the data. Ports already in use fail fast with a message naming the option that moves them.
