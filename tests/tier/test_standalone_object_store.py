@@ -2,8 +2,9 @@
 an idle platform with no offloading topic pays nothing for it): its start leaves it off when no
 stream turns remote storage on, and its offload job starts it the first time one does; the
 fragments of that stream then reach the object store and read back from there. Real etcd, a real
-bookie, real SeaweedFS; standalone's own loop, with a short offload interval. Killed, the store is
-restarted like any child."""
+bookie, real SeaweedFS; standalone's own loop, with a short offload interval. A killed bookie is
+restarted and registers again at once (its stale registration deleted, not left to its lease); a
+killed store is restarted like any child."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 
 import psutil
 import pytest
 
 from fragments import tier as tp
+from fragments.registry import live_bookies
 from streams.client import connect
-from streams.tools.localcluster import LocalCluster, free_port
 from streams.tools.standalone import Standalone, StandaloneConfig
 from tests.ports import port_block
 
@@ -41,14 +43,20 @@ async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
 
 
 def test_the_object_store_starts_when_a_stream_turns_remote_storage_on(tmp_path):
-    cluster = LocalCluster(tmp_path / "cluster", bookies=1)
-    cluster.start()
-    sa = Standalone(StandaloneConfig(data_dir=tmp_path / "sa", etcd_port=cluster.etcd_port, bookies=1,
-                                     metrics_port=free_port(), object_store_port=port_block(8), autorecovery=False,
-                                     tier_interval_s=0.2, retention_interval_s=3600,
-                                     compaction_interval_s=3600, console=False))
+    base = port_block(6)
+    sa = Standalone(StandaloneConfig(data_dir=tmp_path / "sa", etcd_port=base, etcd_peer_port=base + 1,
+                                     bookie_base_port=base + 2, metrics_port=base + 3, bookies=1,
+                                     object_store_port=port_block(8), autorecovery=False, tier_interval_s=0.2,
+                                     retention_interval_s=3600, compaction_interval_s=3600, console=False,
+                                     registration_ttl_s=300))
+    cluster = sa.cluster  # standalone's own etcd and bookie (no Kafka listener, no console)
+
+    async def registered_since(t: float) -> bool:
+        regs = await live_bookies(client.cluster.store)
+        return any(r.bookie_id == "bookie-0" and r.started_at > t for r in regs)
 
     async def main():
+        nonlocal client
         client = await connect(cluster.metadata_url)
         stop = asyncio.Event()
         loop = None
@@ -58,6 +66,12 @@ def test_the_object_store_starts_when_a_stream_turns_remote_storage_on(tmp_path)
             assert sa.seaweed.proc is None and not _weed_processes(sa.seaweed.dir)  # nothing offloads: off
             assert "starts on demand" in "\n".join(sa._tier_lines())
             loop = asyncio.create_task(sa.run_forever(stop))
+            # a bookie killed is restarted and registers again at once: standalone deletes its stale
+            # registration (the lease would keep it for its 300 s TTL)
+            killed_at = time.time()
+            cluster.bookies[0].kill()
+            await _until(lambda: registered_since(killed_at), "the restarted bookie to register again")
+            assert sa.restarts.get("bookie-0") == 1
             await client.create_stream("archive", ensemble=1, write_quorum=1, ack_quorum=1, fragment_entries_max=5,
                                        retention={"remote_storage_enable": True, "local_retention_ms": 0})
             p = await client.producer("archive")
@@ -96,9 +110,10 @@ def test_the_object_store_starts_when_a_stream_turns_remote_storage_on(tmp_path)
                     await loop
             await client.close()
 
+    client = None
     try:
+        cluster.start(60, before_bookies=sa.forget_bookies)
         asyncio.run(main())
     finally:
         sa.stop()
-        cluster.stop()
     assert not _weed_processes(sa.seaweed.dir)
