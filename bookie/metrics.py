@@ -5,12 +5,14 @@ one test process) and the metric objects. The hot paths update them once per bat
 group, never per add: a prometheus counter takes a lock. Rates (adds/s, bytes/s) and hit ratios are
 derived in Prometheus from the counters (``rate(scroll_bookie_adds_total[1m])``); the cache hit
 ratio is also exported directly as a gauge computed at scrape time. ``serve(port)`` starts the HTTP
-endpoint on 127.0.0.1.
+endpoint on 127.0.0.1 (``fragments.metrics_http``: its thread sleeps until a scrape comes).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fragments.metrics_http import serve_metrics
 
 _FSYNC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -87,5 +89,4 @@ class BookieMetrics:
         self.group_records.observe(nrecords)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> object:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server
+        return serve_metrics(port, host, self.registry)

@@ -1,5 +1,5 @@
 """Autorecovery inside ``scroll standalone`` (issue 25), as an operator meets it: ``make run
-ARGS="--bookies 4 --lost-bookie-delay 1"``, started directly, streams with E3/WQ3/AQ2 written natively (sealed) and
+ARGS="--bookies 4 --lost-bookie-delay 1 --registration-ttl 5"``, started directly, streams with E3/WQ3/AQ2 written natively (sealed) and
 through the Kafka listener (its writer alive and idle), one bookie process SIGSTOPped (its
 registration lapses): ``scroll check`` (the real CLI) turns clean with no command typed, every
 record reads back, and a second bookie SIGSTOPped afterwards loses nothing."""
@@ -95,7 +95,7 @@ def test_standalone_repairs_a_lost_bookie_with_no_command_typed(tmp_path):
     data = tmp_path / "scroll-data"
     p = ports()
     url = f"etcd://127.0.0.1:{p['etcd']}"
-    run = Standalone(data, p, "--bookies 4 --lost-bookie-delay 1 --no-object-store")
+    run = Standalone(data, p, "--bookies 4 --lost-bookie-delay 1 --no-object-store --registration-ttl 5")
     stopped: list[int] = []
     t0 = time.monotonic()
 

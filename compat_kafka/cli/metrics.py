@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 
 from kio.schema.list_groups.v5 import ListGroupsRequest
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from fragments import aioloop
+from fragments.metrics_http import serve_metrics
 
 from ..groups.group_admin import AdminError, GroupView, KafkaAdmin
 from ..security.client_security import KafkaClientConfig
@@ -131,7 +132,7 @@ class ListenerMetrics:
         self.collector.security = security
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = serve_metrics(port, host, self.registry)
 
     def close(self) -> None:
         if self._server is not None:

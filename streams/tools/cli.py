@@ -1271,10 +1271,12 @@ def autorecovery(ctx, lost_bookie_delay_s, open_ledger_grace_s, max_bytes_per_s,
                                 max_bytes_per_s=max_bytes_per_s, max_fragments_in_flight=max_fragments_in_flight)
     registry = None
     if metrics_port is not None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
+
+        from fragments.metrics_http import serve_metrics
 
         registry = CollectorRegistry()
-        start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
+        serve_metrics(metrics_port, "127.0.0.1", registry)
 
     async def go(client):
         stop = asyncio.Event()

@@ -200,9 +200,12 @@ class LocalCluster:
             query = "?" + urllib.parse.urlencode(files)
         return f"{scheme}://{creds}127.0.0.1:{self.etcd_port}{query}"
 
-    def start(self, timeout_s: float = 30.0) -> LocalCluster:
+    def start(self, timeout_s: float = 30.0, before_bookies=None) -> LocalCluster:
+        """etcd, then the bookies (``before_bookies()`` runs in between, etcd up)."""
         try:
             self.start_etcd(timeout_s)
+            if before_bookies is not None:
+                before_bookies()
             for i in range(self.n):
                 self.bookies.append(self._bookie_proc(i))
                 self.start_bookie(i, wait=False)

@@ -8,7 +8,9 @@ docs/console.md).
 Everything listens on 127.0.0.1 on fixed ports (so a restart finds the same endpoints and the
 fragments that name the bookies still resolve) and each port can be changed. In its own process
 it then serves a metrics endpoint (processes up, restarts, streams and their bytes, retention
-runs) and runs the retention job on a schedule. A child that dies is restarted (with a back-off)
+runs) and runs the retention job on a schedule. The embedded object store (SeaweedFS) starts only
+when something needs it (``prepare_object_store``, ``tier_once``). A child that dies is restarted
+(with a back-off; the loop sleeps until its next job and learns of an exit from the child's pidfd)
 and the restart is counted and logged; Ctrl-C (SIGINT) or SIGTERM stops the Kafka listener, the
 bookies and etcd, in that order, and waits for each. Starting again on the same directory keeps
 the data. Ports already in use fail fast with a message naming the option that moves them.
@@ -53,6 +55,7 @@ from .localcluster import ClusterError, LocalCluster, Proc, _tail, _wait_port
 log = logging.getLogger("scroll.standalone")
 
 READY_LINE = "scroll standalone ready"
+CHILD_POLL_S = 0.5  # how often the loop polls its children where pidfds are not available
 SWEEP_EVERY_S = 600.0  # how often the offload job also sweeps unreferenced objects (a LIST of the bucket)
 
 
@@ -77,6 +80,10 @@ class StandaloneConfig:
     secure: bool = False  # TLS and authentication everywhere (implies etcd_auth)
     autorecovery: bool = True  # re-replicate a lost bookie's fragments (streams/tools/autorecovery.py)
     lost_bookie_delay_s: float = 30.0
+    # lease TTLs of the bookies' registrations and of autorecovery (keep-alive every TTL/3). One
+    # host, children restarted by standalone: longer than a cluster's (5 s, 10 s) for fewer wake-ups
+    registration_ttl_s: float = 30.0
+    autorecovery_lease_ttl_s: float = 30.0
     console: bool = True  # the web console (compat_kafka/console/) as a child process
     console_port: int = 9400
 
@@ -209,10 +216,15 @@ class Standalone:
                      "secure_bookies": "token", "bookie_ca": pki}
         self.cluster = LocalCluster(self.dir, bookies=config.bookies, etcd_port=config.etcd_port,
                                     etcd_peer_port=config.etcd_peer_port, bookie_ports=config.bookie_ports,
-                                    bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password, **extra)
+                                    bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password,
+                                    bookie_args=["--registration-ttl", f"{config.registration_ttl_s:g}"], **extra)
         self.kafka: Proc | None = None
         self.console: Proc | None = None
         self.seaweed = self._seaweed() if config.object_store else None
+        self._object_store_up = False  # SeaweedFS started (at start, or by the first run that needs it)
+        self._object_store_starting: asyncio.Task | None = None
+        self._pidfds: dict[int, int] | None = {}  # child pid -> its pidfd on the loop (None: not available)
+        self._wake: asyncio.Event | None = None  # set by stop, a child's exit; run_forever waits on it
         self._tier_runs = 0
         self._objects = None  # (TierConfig, ObjectStore) of the offload runs
         self.restarts: dict[str, int] = {}
@@ -240,24 +252,36 @@ class Standalone:
                          master_grpc_port=base + 4, volume_grpc_port=base + 5, filer_grpc_port=base + 6,
                          s3_grpc_port=base + 7, credentials=creds, tls=tls, tls_ca=ca)
 
-    def _start_object_store(self, timeout_s: float) -> None:
-        """Start the embedded S3 server and name it as the cluster's tier (etcd)."""
-        import asyncio as _asyncio
-
+    def prepare_object_store(self, timeout_s: float) -> None:
+        """Name the embedded S3 server as the cluster's tier (etcd) and start it now only if the
+        stored metadata needs it: a stream whose policy turns remote storage on, or (when SeaweedFS
+        ran on this directory before) a fragment with a tier state (offloaded: readers and
+        retention need its object). Otherwise it stays off until the offload job finds a stream
+        that turns remote storage on (``tier_once``). The tier config is saved either way: its
+        endpoint is stable (``check_ports`` validated its ports), and readers contact it only for
+        an offloaded fragment, which exists only once it has run."""
         from fragments.stores import open_store
 
         from .tier import save_tier_config
 
-        self.seaweed.start(timeout_s)
+        ran_before = any((self.seaweed.dir / "data").glob("*"))
 
-        async def save():
+        async def prepare() -> bool:
             store = await open_store(self.cluster.metadata_url, security=self.cluster.client_security)
             try:
                 await save_tier_config(store, self.seaweed.tier_config())
+                return await _object_store_needed(store, scan_fragments=ran_before)
             finally:
                 await store.close()
 
-        _asyncio.run(save())
+        if asyncio.run(prepare()):
+            self._start_seaweed(timeout_s)
+        else:
+            log.info("no stream offloads: the object store (SeaweedFS) starts when a topic turns remote storage on")
+
+    def _start_seaweed(self, timeout_s: float) -> None:
+        self.seaweed.start(timeout_s)
+        self._object_store_up = True
 
     # ---------------------------------------------------------------- start and stop
     def check_ports(self) -> None:
@@ -270,9 +294,9 @@ class Standalone:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.check_ports()
         try:
-            self.cluster.start(timeout_s)
+            self.cluster.start(timeout_s, before_bookies=self.forget_bookies)
             if self.seaweed is not None:
-                self._start_object_store(timeout_s)
+                self.prepare_object_store(timeout_s)
             if self.secure is not None:
                 self._secure_setup()
             self.kafka = self._kafka_proc()
@@ -360,7 +384,7 @@ class Standalone:
         self.cluster.stop()
         if self._metrics_server is not None:
             with contextlib.suppress(Exception):
-                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
             self._metrics_server = None
 
     def reload_certificates(self) -> list[str]:
@@ -383,15 +407,13 @@ class Standalone:
 
     def processes(self) -> list[Proc]:
         out = [p for p in [self.cluster.etcd, *self.cluster.bookies, self.kafka, self.console,
-                           self.seaweed.proc if self.seaweed is not None else None] if p is not None]
+                           self.seaweed.proc if self._object_store_up else None] if p is not None]
         return out
 
     # ---------------------------------------------------------------- supervision
     def children_alive(self) -> bool:
         """Whether every child that should run does (a poll of each, no blocking)."""
-        procs = [self.cluster.etcd, *self.cluster.bookies, self.kafka,
-                 self.seaweed.proc if self.seaweed is not None else None]
-        return all(p.alive for p in procs if p is not None)
+        return all(p.alive for p in self._supervised())
 
     def supervise_once(self) -> list[str]:
         """Restart any child that died; the names restarted."""
@@ -407,6 +429,7 @@ class Standalone:
             if not b.alive:
                 log.warning("%s exited (%s); restarting it. Log: %s\n%s", b.name, b.popen.returncode, b.log,
                             _tail(b.log, 5))
+                self.forget_bookies([i])  # it registers again at once, not a registration TTL later
                 self.cluster.start_bookie(i, wait=False)
                 restarted.append(b.name)
         if self.kafka is not None and not self.kafka.alive:
@@ -419,7 +442,7 @@ class Standalone:
                         self.console.log, _tail(self.console.log, 5))
             self.console.start(self._kafka_env())
             restarted.append("console")
-        if self.seaweed is not None and self.seaweed.proc is not None and not self.seaweed.alive:
+        if self._object_store_up and not self.seaweed.alive:
             log.warning("the object store (SeaweedFS) exited (%s); restarting it. Log: %s\n%s",
                         self.seaweed.proc.popen.returncode, self.seaweed.log, _tail(self.seaweed.log, 5))
             self.seaweed.proc.start()
@@ -427,6 +450,30 @@ class Standalone:
         for name in restarted:
             self.restarts[name] = self.restarts.get(name, 0) + 1
         return restarted
+
+    def forget_bookies(self, which: list[int] | None = None) -> None:
+        """Delete the registrations of our bookies ``which`` (default: all) that are not running:
+        left by a bookie that died (kill -9, a crash of the whole tree) they would stay until their
+        lease expires (``registration_ttl_s``; etcd renews every lease in full when it restarts), and
+        the bookie starting again would wait for that to register. Only standalone runs bookies with
+        these ids against its etcd, and it starts them."""
+        from fragments.ledgers import bookie_key
+        from fragments.stores import open_store
+
+        ids = [f"bookie-{i}" for i in (range(self.config.bookies) if which is None else which)]
+
+        async def forget() -> None:
+            store = await open_store(self.cluster.metadata_url, security=self.cluster.client_security)
+            try:
+                for bookie_id in ids:
+                    await store.delete(bookie_key(bookie_id))
+            finally:
+                await store.close()
+
+        try:
+            asyncio.run(forget())
+        except Exception as exc:  # noqa: BLE001 - then the bookie waits for the lease to expire
+            log.warning("could not delete the stale registrations of %s: %s", ", ".join(ids), exc)
 
     @staticmethod
     def _child_env() -> dict:
@@ -437,7 +484,9 @@ class Standalone:
 
     # ---------------------------------------------------------------- metrics
     def start_metrics(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        from fragments.metrics_http import serve_metrics
 
         reg = CollectorRegistry()
         m = {
@@ -476,8 +525,7 @@ class Standalone:
         }
         self._metrics = m
         self._registry = reg
-        server, _thread = start_http_server(self.config.metrics_port, addr="127.0.0.1", registry=reg)
-        self._metrics_server = server
+        self._metrics_server = serve_metrics(self.config.metrics_port, "127.0.0.1", reg)
 
     def update_process_metrics(self) -> None:
         if self._metrics is None:
@@ -584,7 +632,8 @@ class Standalone:
             return ["  object store     off (--no-object-store): nothing is offloaded"]
         auth = f"signed requests; key in {self.seaweed.credentials_file}" if self.seaweed.credentials else \
             "anonymous, loopback only"
-        return [f"  object store     {self.seaweed.endpoint} bucket {self.seaweed.bucket}  (SeaweedFS; {auth})",
+        when = "running" if self._object_store_up else "starts on demand: when a topic turns remote storage on"
+        return [f"  object store     {self.seaweed.endpoint} bucket {self.seaweed.bucket}  (SeaweedFS, {when}; {auth})",
                 f"  offload          every {self.config.tier_interval_s:g} s for topics with "
                 "remote.storage.enable=true  (scroll tier run --dry-run to preview)"]
 
@@ -629,10 +678,14 @@ class Standalone:
             from .autorecovery import AutoRecovery, AutoRecoveryConfig
 
             self.autorecovery = AutoRecovery(client, AutoRecoveryConfig(
-                lost_bookie_delay_s=self.config.lost_bookie_delay_s), registry=self._registry)
+                lost_bookie_delay_s=self.config.lost_bookie_delay_s, lease_ttl_s=self.config.autorecovery_lease_ttl_s),
+                registry=self._registry)
             recovery = asyncio.create_task(self.autorecovery.run(stop), name="autorecovery")
+        self._wake = asyncio.Event()
+        stop_waiter = asyncio.create_task(self._wake_on(stop), name="standalone stop")
         try:
             while not stop.is_set():
+                self._wake.clear()
                 now = time.monotonic()
                 if now >= backoff_until and self.config.restart_children and not self.children_alive():
                     # a restart waits for the child: in a thread (an idle check costs no thread hop)
@@ -658,9 +711,26 @@ class Standalone:
                 if self.seaweed is not None and now >= next_tier:
                     next_tier = now + self.config.tier_interval_s
                     await self.tier_once(client)
+                # asleep until the next job is due, a child exits (its pidfd) or stop is set
+                due = [next_retention, next_compaction, next_bookie_metrics]
+                if self.seaweed is not None:
+                    due.append(next_tier)
+                if self.catalog is None:
+                    due.append(next_catalog_try)
+                if self.config.restart_children and not self.children_alive():
+                    due.append(max(backoff_until, now + 0.5))
+                if not self._watch_children():
+                    due.append(now + CHILD_POLL_S)  # no pidfds here: poll the children
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.5)
+                    await asyncio.wait_for(self._wake.wait(), max(0.0, min(due) - time.monotonic()))
         finally:
+            stop_waiter.cancel()
+            self._unwatch_children()
+            starting = self._object_store_starting
+            if starting is not None:  # stop it: the start's thread then fails fast, and is waited for
+                self.seaweed.stop()
+                with contextlib.suppress(Exception):
+                    await starting
             if recovery is not None:
                 if not recovery.done():
                     recovery.cancel()
@@ -671,6 +741,52 @@ class Standalone:
                 await catalog.close()
             with contextlib.suppress(Exception):
                 await client.close()
+
+    async def _wake_on(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._wake.set()
+
+    def _supervised(self) -> list[Proc]:
+        """The children the loop restarts when they die."""
+        return [p for p in [self.cluster.etcd, *self.cluster.bookies, self.kafka, self.console,
+                            self.seaweed.proc if self._object_store_up else None] if p is not None]
+
+    def _watch_children(self) -> bool:
+        """A pidfd (``os.pidfd_open``) on the event loop for every running child, so the loop sleeps
+        until one exits instead of polling them; False where pidfds are not available (the loop then
+        polls every CHILD_POLL_S)."""
+        if self._pidfds is None:
+            return False
+        loop = asyncio.get_running_loop()
+        running = {p.popen.pid for p in self._supervised() if p.popen is not None and p.popen.returncode is None}
+        for pid in [pid for pid in self._pidfds if pid not in running]:
+            self._child_gone(pid, wake=False)
+        for pid in running - self._pidfds.keys():
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:  # exited and reaped meanwhile: look again now
+                self._wake.set()
+                continue
+            except (AttributeError, OSError) as exc:  # no pidfd_open (kernel < 5.3, other systems, seccomp)
+                log.debug("no pidfds (%s): polling the children every %g s", exc, CHILD_POLL_S)
+                self._unwatch_children()
+                self._pidfds = None
+                return False
+            self._pidfds[pid] = fd
+            loop.add_reader(fd, self._child_gone, pid)
+        return True
+
+    def _child_gone(self, pid: int, wake: bool = True) -> None:
+        fd = self._pidfds.pop(pid, None) if self._pidfds is not None else None
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+        if wake:
+            self._wake.set()
+
+    def _unwatch_children(self) -> None:
+        for pid in list(self._pidfds or ()):
+            self._child_gone(pid, wake=False)
 
     async def retention_once(self, client) -> None:
         try:
@@ -718,11 +834,38 @@ class Standalone:
                          s.stream, len(s.rewritten_fragments), s.records_in, s.records_out, s.bytes_reclaimed)
 
 
+    def _start_object_store_later(self) -> None:
+        """Start SeaweedFS off the event loop (a few seconds: the bucket, its fsync setting); the
+        offload job runs again at its next interval. A failed start is logged and tried again."""
+        if self._object_store_starting is not None:
+            return
+        log.info("a stream turns remote storage on: starting the object store (SeaweedFS) at %s",
+                 self.seaweed.endpoint)
+
+        def done(task: asyncio.Task) -> None:
+            self._object_store_starting = None
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None:
+                log.warning("the object store (SeaweedFS) did not start (tried again at the next offload run): "
+                            "%s", exc)
+                if self._metrics:
+                    self._metrics["tier_runs"].labels("failed").inc()
+            elif not task.cancelled():
+                log.info("the object store (SeaweedFS) runs at %s", self.seaweed.endpoint)
+
+        self._object_store_starting = asyncio.create_task(asyncio.to_thread(self._start_seaweed, 60.0),
+                                                          name="object store start")
+        self._object_store_starting.add_done_callback(done)
+
     async def tier_once(self, client) -> None:
         from ..tier.objstore import ObjectStore
         from .tier import TierReport, load_tier_config, run_tier, wanted
 
         metas, names = self._known(wanted)
+        if self.seaweed is not None and not self._object_store_up:
+            if metas is not None and any(_remote_storage_on(m) for m in metas):
+                self._start_object_store_later()
+            return  # nothing can be offloaded to it, nor swept from it, before it runs
         self._tier_runs += 1
         # the sweep lists every object: once per SWEEP_EVERY_S (its grace is longer anyway)
         sweep = self._tier_runs == 1 or self._tier_runs * self.config.tier_interval_s % SWEEP_EVERY_S < \
@@ -758,6 +901,46 @@ class Standalone:
             if s.offloaded or s.released:
                 log.info("tier of %s: %d fragments offloaded (%d bytes), %d released", s.stream,
                          len(s.offloaded) + len(s.adopted), s.bytes_offloaded, len(s.released))
+
+
+def _remote_storage_on(meta) -> bool:
+    """Whether a stream's policy turns remote storage on (a policy that does not parse: no)."""
+    from fragments.tier import InvalidTierPolicy, TierPolicy
+
+    from .compaction import is_data_ledger
+
+    if is_data_ledger(meta.name):
+        return False
+    try:
+        return TierPolicy.from_dict(meta.retention).remote_storage_enable
+    except InvalidTierPolicy:
+        return False
+
+
+_SCAN_CONCURRENCY = 32
+
+
+async def _object_store_needed(store, *, scan_fragments: bool) -> bool:
+    """Whether the stored metadata needs the object store running: a stream whose policy turns
+    remote storage on, or (``scan_fragments``) a fragment with a tier state (an upload intent or an
+    offloaded copy: readers and retention use its object). One listing of the ledger records, and
+    with ``scan_fragments`` one fragment listing per ledger (at start only)."""
+    from fragments.ledgers import LedgerStore
+    from fragments.tier import state
+
+    ledgers = LedgerStore(store)
+    metas = await ledgers.list_ledgers()
+    if any(_remote_storage_on(m) for m in metas):
+        return True
+    if not scan_fragments:
+        return False
+    gate = asyncio.Semaphore(_SCAN_CONCURRENCY)
+
+    async def tiered(lid: int) -> bool:
+        async with gate:
+            return any(state(f) is not None for f in await ledgers.fragments(lid))
+
+    return any(await asyncio.gather(*(tiered(m.ledger_id) for m in metas)))
 
 
 def _s3_credentials(path: Path) -> tuple[str, str]:
@@ -853,6 +1036,10 @@ def run(config: StandaloneConfig) -> None:
               help="Re-replicate the fragments of a bookie that stays gone (scroll autorecovery status).")
 @click.option("--lost-bookie-delay", "lost_bookie_delay_s", default=30.0, show_default=True,
               type=click.FloatRange(0), help="Seconds a bookie must be gone before autorecovery re-replicates.")
+@click.option("--registration-ttl", "registration_ttl_s", default=30.0, show_default=True,
+              type=click.FloatRange(1.0, 300.0),
+              help="Lease TTL (s) of the bookies' registrations and of autorecovery: a hung bookie stays in the "
+                   "live set this long (a dead one is restarted and registers again at once).")
 @click.option("--console-port", default=9400, show_default=True, type=click.IntRange(1, 65535),
               help="The web console's port (its URL is printed at start).")
 @click.option("--no-console", is_flag=True, help="Do not run the web console.")
@@ -860,7 +1047,8 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
                        metrics_port: int, bookies: int, retention_interval_s: float, compaction_interval_s: float,
                        tier_interval_s: float, object_store: bool, object_store_port: int,
                        default_partitions: int, secure: bool, etcd_auth: bool, autorecovery: bool = True,
-                       lost_bookie_delay_s: float = 30.0, console_port: int = 9400, no_console: bool = False) -> None:
+                       lost_bookie_delay_s: float = 30.0, console_port: int = 9400, no_console: bool = False,
+                       registration_ttl_s: float = 30.0) -> None:
     """Run a whole local platform in the foreground: etcd, bookies, the Kafka listener on
     127.0.0.1:9092, scheduled retention and a metrics endpoint. Ctrl-C stops everything.
 
@@ -883,4 +1071,5 @@ def standalone_command(data_dir: Path, kafka_port: int, etcd_port: int, etcd_pee
                          tier_interval_s=tier_interval_s, object_store=object_store,
                          object_store_port=object_store_port, default_partitions=default_partitions,
                          etcd_auth=etcd_auth, secure=secure, autorecovery=autorecovery,
-                         lost_bookie_delay_s=lost_bookie_delay_s, console=not no_console, console_port=console_port))
+                         lost_bookie_delay_s=lost_bookie_delay_s, console=not no_console, console_port=console_port,
+                         registration_ttl_s=registration_ttl_s, autorecovery_lease_ttl_s=registration_ttl_s))
