@@ -21,7 +21,12 @@ reference), then:
 * write (streaming, exactly once): the Parquet files read as a stream (``readStream.parquet``,
   Trigger.AvailableNow, ``--batch-bytes`` of files per micro-batch) into the ``scroll`` sink with a
   checkpoint; the target is then checked to hold exactly the rows once, and its commit record to
-  end at the row count.
+  end at the row count. Its reference, in the same run and just before it: the same stream (same
+  files, same files per micro-batch, so the same tasks) into Spark's own exactly-once file sink,
+  ``writeStream.format("parquet")``; the sink's record carries ``vs_parquet`` (its rows/s over the
+  reference's) and both carry Spark's per-micro-batch ``durationMs``. ``--sink-repeat N`` runs the
+  pair N times (the first pays for starting the sink's Python processes); ``--only sink`` runs
+  just these (the batch writes are compared with a batch ``write.parquet`` the same way).
 
 The Spark session sets ``spark.sql.files.maxPartitionBytes`` to ``--task-bytes`` (16 MiB: each
 write task's output fits the sink's default ``stageInlineBytes``), ``spark.task.maxDirectResultSize``
@@ -47,8 +52,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # first, even when on PYTHONPATH: bench/bookie.py must not shadow the package
 
 
 def parse_size(text: str) -> int:
@@ -136,10 +140,12 @@ def main(argv=None) -> int:
     ap.add_argument("--partitions", type=int, default=4, help="partitions of the topic read")
     ap.add_argument("--metadata", help="use this cluster instead of starting a LocalCluster")
     ap.add_argument("--cores", type=int, default=4, help="Spark local[N]")
-    ap.add_argument("--only", default="read,write", help="read, write or both (comma-separated)")
+    ap.add_argument("--only", default="read,write", help="read, write, sink (the streaming sink and its Parquet reference only; comma-separated)")
     ap.add_argument("--repeat", type=int, default=2, help="runs of each read")
     ap.add_argument("--task-bytes", type=int, default=16 << 20, help="Parquet bytes per write task")
     ap.add_argument("--batch-bytes", type=int, default=128 << 20, help="Parquet bytes per streaming micro-batch")
+    ap.add_argument("--sink-repeat", type=int, default=1,
+                    help="runs of the streaming sink, each after a Parquet streaming write of the same rows")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     n = max(1, parse_size(args.size) // args.entry_bytes)
@@ -242,6 +248,9 @@ def main(argv=None) -> int:
                 c.create_stream(warm, ensemble=3, write_quorum=3, ack_quorum=2)
             spark.read.parquet(pq).limit(20_000).repartition(args.cores).write.format("scroll") \
                 .option("metadata", url).option("stream", warm).mode("append").save()
+            _, secs = timed(lambda: spark.read.parquet(pq).write.parquet(str(work / "parquet-batch-out")))
+            pq_batch_rate = n / secs
+            record("parquet write (batch, reference)", n, secs, tasks=pdf.rdd.getNumPartitions())
             for name, opts in (("scroll write (batch, inline)", {}),
                                ("scroll write (batch, staged)", {"stageInlineBytes": 0}),
                                ("scroll write (batch, inline, cached input)", {"cache": True})):
@@ -251,32 +260,52 @@ def main(argv=None) -> int:
                 _, secs = timed(lambda target=target, opts=opts: write(target, **opts))
                 with connect(url) as c:
                     assert c.consumer(target, start="latest").position == n
-                record(name, n, secs, tasks=pdf.rdd.getNumPartitions())
+                record(name, n, secs, tasks=pdf.rdd.getNumPartitions(), vs_parquet=round(n / secs / pq_batch_rate, 3))
 
-            streamed = stream + "-streamed"
-            with connect(url) as c:
-                c.create_stream(streamed, ensemble=3, write_quorum=3, ack_quorum=2)
+        if "write" in only or "sink" in only:
+            from streams.sync import connect
+
             per_batch = max(1, min(files, args.batch_bytes * files // (n * args.entry_bytes)))
 
-            def stream_write():
-                q = (spark.readStream.schema(pdf.schema).option("maxFilesPerTrigger", per_batch).parquet(pq)
-                     .writeStream.format("scroll").option("metadata", url).option("stream", streamed)
-                     .option("checkpointLocation", str(work / "ck")).trigger(availableNow=True).start())
+            def stream_write(fmt, ck, **opts):
+                w = (spark.readStream.schema(pdf.schema).option("maxFilesPerTrigger", per_batch).parquet(pq)
+                     .writeStream.format(fmt).option("checkpointLocation", str(ck)))
+                for k, v in opts.items():
+                    w = w.option(k, str(v))
+                q = w.trigger(availableNow=True).start()
                 q.awaitTermination()
                 if q.exception() is not None:
                     raise q.exception()
-                return len(q.recentProgress)
+                # per micro-batch: Spark's own split of its wall time (ms), where the sink's commit is
+                # inside addBatch with the tasks
+                return [{k: v for k, v in p["durationMs"].items() if v} for p in q.recentProgress
+                        if p["numInputRows"]]
 
-            batches, secs = timed(stream_write)
-            cpu_of_write = dict(_last_cpu)
-            with connect(url) as c:  # exactly once: every row once
-                assert c.consumer(streamed, start="latest").position == n
-                (rec,) = c.describe_stream(streamed).meta.extra["spark"].values()
-                assert rec["end"] == {streamed: n}, rec
-            _last_cpu.clear()
-            _last_cpu.update(cpu_of_write)
-            record("scroll write (streaming sink, exactly once)", n, secs, micro_batches=batches,
-                   files_per_batch=per_batch)
+            # The reference: Spark's own exactly-once file sink writing the same rows (same source
+            # files, same files per micro-batch, so the same tasks) to local Parquet, in the same run;
+            # the two alternate (--sink-repeat) so a change of load hits both.
+            for rep in range(args.sink_repeat):
+                out = work / f"parquet-out-{rep}"
+                batches, secs = timed(lambda out=out: stream_write("parquet", out.with_suffix(".ck"), path=str(out)))
+                assert spark.read.parquet(str(out)).count() == n
+                pq_rate = n / secs
+                record("parquet write (streaming file sink, reference)", n, secs, micro_batches=len(batches), durations=batches,
+                       files_per_batch=per_batch, run=rep + 1)
+
+                streamed = f"{stream}-streamed-{rep}"
+                with connect(url) as c:
+                    c.create_stream(streamed, ensemble=3, write_quorum=3, ack_quorum=2)
+                batches, secs = timed(lambda streamed=streamed, rep=rep: stream_write(
+                    "scroll", work / f"ck-{rep}", metadata=url, stream=streamed))
+                cpu_of_write = dict(_last_cpu)
+                with connect(url) as c:  # exactly once: every row once
+                    assert c.consumer(streamed, start="latest").position == n
+                    (rec,) = c.describe_stream(streamed).meta.extra["spark"].values()
+                    assert rec["end"] == {streamed: n}, rec
+                _last_cpu.clear()
+                _last_cpu.update(cpu_of_write)
+                record("scroll write (streaming sink, exactly once)", n, secs, micro_batches=len(batches), durations=batches,
+                       files_per_batch=per_batch, run=rep + 1, vs_parquet=round(n / secs / pq_rate, 3))
         spark.stop()
     finally:
         if cluster is not None:
