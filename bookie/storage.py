@@ -443,6 +443,14 @@ class Engine:
             raise ReadOnlyError(f"bookie is read-only: {self.read_only_reason}")
         self._install(lid, decision.state)
         st = decision.state
+        if isinstance(request, LacWriteRequest) and before is not None and st.term == before.term \
+                and st.clean_term == before.clean_term:
+            # Only the LAC/LAFR hint moved: not journaled (no record, no fsync before the answer).
+            # Adds carry the LAC too and are journaled, the next checkpoint stores this state, and
+            # a take-over re-derives the tail by recovery reads: a restart that forgets it shows
+            # readers a lower LAC for a while, never an entry above the writer's (PROTOCOL.md, rule 5).
+            self._notify_lac(lid)
+            return decision, self._last_seq.get(lid, 0)
         seq = self._append(REC_STATE, STATE_BODY.pack(lid, st.term, st.lac, st.lafr, st.clean_term))
         self._last_seq[lid] = seq
         if before is None or st.lac > before.lac:
