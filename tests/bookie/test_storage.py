@@ -11,7 +11,7 @@ import pytest
 
 from bookie import digest
 from bookie.entrylog import log_files
-from bookie.errors import CorruptEntryError, ReadOnlyError, Status
+from bookie.errors import BadRequestError, CorruptEntryError, ReadOnlyError, Status
 from bookie.storage import Engine
 
 from .helpers import dir_bytes, run
@@ -237,3 +237,29 @@ def test_a_read_that_raced_a_compaction_finds_the_moved_entries(make_engine) -> 
             assert not corrupt
             got += found
     assert [(i, entry[3]) for i, entry in got] == [(i, b"keep-%d" % i * 300) for i in range(1, 40)]
+
+
+def test_a_lac_only_write_wakes_tail_readers_without_a_journal_record(make_engine) -> None:
+    """A LAC write that moves only the LAC/LAFR (the writer's eager push after each entry at low
+    rates) is answered without journaling (no record, so no fsync before the answer) yet wakes the
+    long polls at once. A restart that forgets it still knows the LAC the adds carried; a LAC
+    write that changes the term is journaled as before."""
+    e = make_engine()
+
+    async def scenario() -> None:
+        start(e, 1)
+        add(e, 1, [1, 2], lac=1)  # the adds carry LAC 1
+        seq = e.applied_seq
+        waiter = e.lac_waiter(1, 1)
+        decision, _ = e.write_lac(1, 1, 2, 2)
+        assert decision.state.lac == 2 and e.state(1).lac == 2
+        assert e.applied_seq == seq  # no journal record
+        assert waiter.done() and waiter.result() == 2  # the parked tail read is answered now
+        with pytest.raises(BadRequestError):
+            e.write_lac(1, 1, -5, 0)  # bad input: refused, nothing changed
+        assert e.state(1).lac == 2
+
+    run(scenario())
+    e.close()
+    e2 = make_engine()
+    assert e2.state(1).lac >= 1  # at least what the journaled adds carried
