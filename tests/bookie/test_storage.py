@@ -263,3 +263,24 @@ def test_a_lac_only_write_wakes_tail_readers_without_a_journal_record(make_engin
     e.close()
     e2 = make_engine()
     assert e2.state(1).lac >= 1  # at least what the journaled adds carried
+
+
+def test_a_parked_tail_read_is_answered_inside_the_add_that_moves_the_lac(make_engine) -> None:
+    """The add carrying a higher LAC wakes a parked long poll synchronously, before the add's own
+    journal record is synced (the reader learns an entry acknowledged elsewhere without waiting
+    for this bookie's fsync of the next one), and only once the LAC passes what it waits for."""
+    e = make_engine()
+
+    async def scenario() -> None:
+        start(e, 1)
+        add(e, 1, [1], lac=0)
+        seen: list[tuple[int, int]] = []
+        fut = e.lac_waiter(1, 1, lambda: seen.append((e.state(1).lac, e.journal.synced_seq)))
+        add(e, 1, [2], lac=1)  # LAC 1: not past 1, keeps waiting
+        assert seen == [] and not fut.done()
+        outcome = add(e, 1, [3], lac=2)
+        assert [lac for lac, _ in seen] == [2] and fut.result() == 2
+        assert seen[0][1] < outcome.seq  # answered before this add's record was durable
+        assert e.lac_waiter(1, 1, lambda: seen.append((-1, -1))) is None  # already past: no waiter
+
+    run(scenario())
