@@ -82,3 +82,42 @@ def test_an_entry_followed_by_silence_reaches_a_tailing_reader_without_the_idle_
             await client.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_caught_up_read_hands_over_its_records_without_asking_a_bookie_again(cluster, stream_name) -> None:
+    """Once a tail read brings records and the consumer is caught up, ``read`` returns them at
+    once: it does not first poll another bookie (a round trip added to every delivery). Shown
+    with the other members of the ensemble paused (SIGSTOP: they accept connections but never
+    answer) while the record is delivered by the member the consumer is parked on."""
+    import signal
+
+    async def scenario() -> None:
+        client = await connect(cluster.metadata_url, add_timeout_s=5.0, call_timeout_s=30.0)
+        stopped = []
+        try:
+            await client.create_stream(stream_name, ensemble=3, write_quorum=3, ack_quorum=2)
+            producer = await client.producer(stream_name)
+            await producer.append(b"first")
+            consumer = await client.consumer(stream_name, start="latest")
+            polls = consumer._rotate  # one per tail read: a non-waiting one, then the parked one
+            waiting = asyncio.create_task(consumer.read(10, timeout_s=20.0))
+            while consumer._rotate < polls + 2:
+                await asyncio.sleep(0.005)
+            ensemble = list(consumer.fragments[-1].ensemble)
+            parked = ensemble[consumer._rotate % len(ensemble)]
+            offset = await producer.append(b"second")  # acknowledged by all three before the pause
+            for b in ensemble:
+                if b != parked:
+                    proc = cluster.bookies[int(b.rsplit("-", 1)[1])]
+                    proc.signal(signal.SIGSTOP)
+                    stopped.append(proc)
+            # a second poll would wait for the 30 s call timeout; the bound stays under the bookies'
+            # 5 s registration lease so that even a failure leaves the shared cluster whole
+            got = await asyncio.wait_for(waiting, 4.0)
+            assert [(r.offset, r.value) for r in got] == [(offset, b"second")]
+        finally:
+            for proc in stopped:
+                proc.signal(signal.SIGCONT)
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 90))
