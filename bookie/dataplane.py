@@ -404,12 +404,6 @@ class DataConnection(asyncio.Protocol):
     def _park(self, lid: int, after: int, wait_ms: int, then) -> None:
         """Call ``then(timed_out)`` once the LAC passes ``after`` or ``wait_ms`` passed."""
         e = self.engine
-        fut = e.lac_waiter(lid, after)  # raises TooBusyError at the waiter limit
-        if fut is None:
-            then(False)
-            return
-        loop = asyncio.get_running_loop()
-        timeout = min(wait_ms / 1000.0, e.config.long_poll_max_s)
         item: list = []
 
         def fire(timed_out: bool) -> None:
@@ -417,9 +411,18 @@ class DataConnection(asyncio.Protocol):
                 return
             self.waits.discard(item[0])
             item[0][2].cancel()
-            e.forget_lac_waiter(lid, fut)
+            e.forget_lac_waiter(lid, item[0][1])
             if not self.closed:
                 then(timed_out)
+
+        # answered from inside the add / LAC write that moves the LAC (before its fsync), not a
+        # loop turn after the journal commit; the future's callback stays for shutdown
+        fut = e.lac_waiter(lid, after, lambda: fire(False))  # raises TooBusyError at the waiter limit
+        if fut is None:
+            then(False)
+            return
+        loop = asyncio.get_running_loop()
+        timeout = min(wait_ms / 1000.0, e.config.long_poll_max_s)
 
         timer = loop.call_later(timeout, fire, True)
         item.append((lid, fut, timer))

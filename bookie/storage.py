@@ -153,7 +153,7 @@ class Engine:
         self._dirty: set[int] = set()
         self._last_seq: dict[int, int] = {}
         self._epoch: dict[int, int] = {}
-        self._lac_waiters: dict[int, list[tuple[int, asyncio.Future]]] = {}
+        self._lac_waiters: dict[int, list[tuple[int, asyncio.Future, object]]] = {}
         self._n_lac_waiters = 0
         self._floor_reason: str | None = None
         self._io_error: str | None = None
@@ -443,6 +443,14 @@ class Engine:
             raise ReadOnlyError(f"bookie is read-only: {self.read_only_reason}")
         self._install(lid, decision.state)
         st = decision.state
+        if isinstance(request, LacWriteRequest) and before is not None and st.term == before.term \
+                and st.clean_term == before.clean_term:
+            # Only the LAC/LAFR hint moved: not journaled (no record, no fsync before the answer).
+            # Adds carry the LAC too and are journaled, the next checkpoint stores this state, and
+            # a take-over re-derives the tail by recovery reads: a restart that forgets it shows
+            # readers a lower LAC for a while, never an entry above the writer's (PROTOCOL.md, rule 5).
+            self._notify_lac(lid)
+            return decision, self._last_seq.get(lid, 0)
         seq = self._append(REC_STATE, STATE_BODY.pack(lid, st.term, st.lac, st.lafr, st.clean_term))
         self._last_seq[lid] = seq
         if before is None or st.lac > before.lac:
@@ -751,15 +759,18 @@ class Engine:
 
     # ================================================================ LAC long poll
 
-    def lac_waiter(self, ledger_id: int, after_lac: int) -> asyncio.Future | None:
-        """A future resolved when the ledger's LAC exceeds ``after_lac``; None if it already does."""
+    def lac_waiter(self, ledger_id: int, after_lac: int, on_ready=None) -> asyncio.Future | None:
+        """A future resolved when the ledger's LAC exceeds ``after_lac``; None if it already does.
+        ``on_ready()``, if given, is called synchronously at that moment (from the add or LAC write
+        that moved the LAC, before its journal commit), so a parked tail read is answered without
+        waiting for the fsync of the add that carried the LAC or for a loop turn."""
         st = self.states.get(ledger_id)
         if st is not None and st.lac > after_lac:
             return None
         if self._n_lac_waiters >= self.config.max_lac_waiters:
             raise TooBusyError("too many long-poll LAC readers")
         fut = asyncio.get_running_loop().create_future()
-        self._lac_waiters.setdefault(ledger_id, []).append((after_lac, fut))
+        self._lac_waiters.setdefault(ledger_id, []).append((after_lac, fut, on_ready))
         self._n_lac_waiters += 1
         return fut
 
@@ -780,17 +791,26 @@ class Engine:
             return
         lac = self.states[ledger_id].lac
         kept = []
-        for after, fut in waiters:
+        ready = []
+        for w in waiters:
+            after, fut, on_ready = w
             if lac > after:
                 if not fut.done():
                     fut.set_result(lac)
+                    if on_ready is not None:
+                        ready.append(on_ready)
             elif not fut.done():
-                kept.append((after, fut))
+                kept.append(w)
         self._n_lac_waiters -= len(waiters) - len(kept)
         if kept:
             self._lac_waiters[ledger_id] = kept
         else:
             del self._lac_waiters[ledger_id]
+        for on_ready in ready:
+            try:
+                on_ready()
+            except Exception:  # noqa: BLE001 - a reader's answer must never fail the add that woke it
+                log.exception("ledger=%d: answering a long poll failed", ledger_id)
 
     # ================================================================ flush, checkpoint, GC
 
@@ -1020,7 +1040,7 @@ class Engine:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for waiters in self._lac_waiters.values():
-            for _after, fut in waiters:
+            for _after, fut, _on_ready in waiters:
                 if not fut.done():
                     fut.set_exception(ShuttingDownError("bookie is shutting down"))
         self._lac_waiters.clear()

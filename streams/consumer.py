@@ -272,6 +272,8 @@ class Consumer:
                     self.position = max(self.position, self._read_end)
                 continue
             if self.entry > self.lac:
+                if out:
+                    break  # caught up: hand these over now (one more poll would cost a round trip first)
                 # caught up: one tail read asks for the LAC and the entries up to it at once, and
                 # (when nothing is new) waits on the bookie until the next one is acknowledged
                 result = await self._read_tail(0.0)

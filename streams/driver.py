@@ -80,6 +80,9 @@ class ProducerOptions:
     max_inflight_entries: int = 20_000
     max_inflight_bytes: int = 64 * 1024 * 1024
     lac_push_idle_s: float = 0.002
+    # push the LAC as soon as it advances with no add in flight to carry it (tail readers see an
+    # entry one bookie hop after its acknowledgement); False: only after lac_push_idle_s
+    lac_push_eager: bool = True
     tick_s: float = 0.002  # while a failed bookie waits for a replacement, retry placing one this often
     takeover_attempts: int = 20
     takeover_backoff_s: float = 0.05
@@ -137,6 +140,7 @@ class WriterDriver:
                 max_inflight_entries=self.options.max_inflight_entries,
                 max_inflight_bytes=self.options.max_inflight_bytes,
                 lac_push_idle_s=self.options.lac_push_idle_s,
+                lac_push_eager=self.options.lac_push_eager,
                 ensemble_retry_s=self.options.tick_s,
             )
             self.writer = LedgerWriter(meta, version, last, placement, cfg, now=self._now())

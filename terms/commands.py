@@ -110,6 +110,9 @@ class WriterConfig:
     max_inflight_entries: int = 10_000  # appended but not yet fully replicated
     max_inflight_bytes: int = 64 * 1024 * 1024
     lac_push_idle_s: float = 0.005  # push the LAC explicitly after this long without a send
+    # ... or at once (the next Tick) when the LAC advanced and no add is in flight to carry it, so
+    # a tailing reader sees an entry without waiting for the next append or the idle push
+    lac_push_eager: bool = False
     ensemble_retry_s: float = 0.002  # while a failed bookie waits for a replacement, retry this often ...
     ensemble_retry_max_s: float = 0.5  # ... doubling per failed placement up to this
     rejoin_backoff_s: float = 0.01  # a bookie whose write failed is placed again only after this ...

@@ -314,14 +314,24 @@ class LedgerWriter:
             cooling = [t for t in self.rejoin_at.values() if t > self.now]
             if cooling:
                 deadline = min(deadline, max(min(cooling), self.last_tick_at + self.config.ensemble_retry_s))
-        if self.phase is Phase.OPEN and self.lac > self.lac_pushed:
-            push_at = self.last_send_at + self.config.lac_push_idle_s
-            if deadline is None or push_at < deadline:
-                deadline = push_at
+        push_at = self._lac_push_at()
+        if push_at is not None and (deadline is None or push_at < deadline):
+            deadline = push_at
         age_at = self._age_roll_at()
         if age_at is not None and (deadline is None or age_at < deadline):
             deadline = age_at
         return deadline
+
+    def _lac_push_at(self) -> float | None:
+        """When the LAC is pushed explicitly: ``lac_push_idle_s`` after the last send, or, with
+        ``lac_push_eager``, at once when every add sent has reached AQ (no add in flight will be
+        answered and make the next send carry the LAC). None: nothing to push (an add to the whole
+        ensemble carried the LAC: see ``_pump``), or a metadata change is in flight."""
+        if self.phase is not Phase.OPEN or self.lac <= self.lac_pushed or self.cas_reason is not None:
+            return None
+        if self.config.lac_push_eager and self.sent_upto <= self.lac:
+            return self.last_send_at
+        return self.last_send_at + self.config.lac_push_idle_s
 
     def _age_roll_at(self) -> float | None:
         """When a Tick would roll the open fragment over for its age (None: not time-driven now).
@@ -560,6 +570,9 @@ class LedgerWriter:
             if self.fragment_first_at is None and not p.recovery:
                 self.fragment_first_at = self.now
             self._send_missing(self.sent_upto, p)
+            if self.phase is Phase.OPEN and not self.failed and not p.recovery \
+                    and len(self.fragment.ensemble) == self.wq:
+                self.lac_pushed = max(self.lac_pushed, self.lac)  # that add told every member the LAC
         self._maybe_roll_over()
 
     def _send_missing(self, entry_id: int, p: _Pending) -> None:
@@ -800,12 +813,8 @@ class LedgerWriter:
         if self.phase is Phase.OPEN and self.cas_reason is None and not self.failed \
                 and self.fragment_first_at is not None and self.ledger.config.fragment_age_max_ms is not None:
             self._pump()  # the open fragment may have reached its age: drain and roll over
-        if (
-            self.phase is Phase.OPEN
-            and self.lac > self.lac_pushed
-            and self.cas_reason is None
-            and ev.now >= self.last_send_at + self.config.lac_push_idle_s  # as next_deadline computes it
-        ):
+        push_at = self._lac_push_at()  # as next_deadline computes it
+        if push_at is not None and ev.now >= push_at:
             self._push_lac()
 
     def _push_lac(self) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from bookie import digest
 from bookie.entrylog import log_files
-from bookie.errors import CorruptEntryError, ReadOnlyError, Status
+from bookie.errors import BadRequestError, CorruptEntryError, ReadOnlyError, Status
 from bookie.storage import Engine
 
 from .helpers import dir_bytes, run
@@ -237,3 +237,50 @@ def test_a_read_that_raced_a_compaction_finds_the_moved_entries(make_engine) -> 
             assert not corrupt
             got += found
     assert [(i, entry[3]) for i, entry in got] == [(i, b"keep-%d" % i * 300) for i in range(1, 40)]
+
+
+def test_a_lac_only_write_wakes_tail_readers_without_a_journal_record(make_engine) -> None:
+    """A LAC write that moves only the LAC/LAFR (the writer's eager push after each entry at low
+    rates) is answered without journaling (no record, so no fsync before the answer) yet wakes the
+    long polls at once. A restart that forgets it still knows the LAC the adds carried; a LAC
+    write that changes the term is journaled as before."""
+    e = make_engine()
+
+    async def scenario() -> None:
+        start(e, 1)
+        add(e, 1, [1, 2], lac=1)  # the adds carry LAC 1
+        seq = e.applied_seq
+        waiter = e.lac_waiter(1, 1)
+        decision, _ = e.write_lac(1, 1, 2, 2)
+        assert decision.state.lac == 2 and e.state(1).lac == 2
+        assert e.applied_seq == seq  # no journal record
+        assert waiter.done() and waiter.result() == 2  # the parked tail read is answered now
+        with pytest.raises(BadRequestError):
+            e.write_lac(1, 1, -5, 0)  # bad input: refused, nothing changed
+        assert e.state(1).lac == 2
+
+    run(scenario())
+    e.close()
+    e2 = make_engine()
+    assert e2.state(1).lac >= 1  # at least what the journaled adds carried
+
+
+def test_a_parked_tail_read_is_answered_inside_the_add_that_moves_the_lac(make_engine) -> None:
+    """The add carrying a higher LAC wakes a parked long poll synchronously, before the add's own
+    journal record is synced (the reader learns an entry acknowledged elsewhere without waiting
+    for this bookie's fsync of the next one), and only once the LAC passes what it waits for."""
+    e = make_engine()
+
+    async def scenario() -> None:
+        start(e, 1)
+        add(e, 1, [1], lac=0)
+        seen: list[tuple[int, int]] = []
+        fut = e.lac_waiter(1, 1, lambda: seen.append((e.state(1).lac, e.journal.synced_seq)))
+        add(e, 1, [2], lac=1)  # LAC 1: not past 1, keeps waiting
+        assert seen == [] and not fut.done()
+        outcome = add(e, 1, [3], lac=2)
+        assert [lac for lac, _ in seen] == [2] and fut.result() == 2
+        assert seen[0][1] < outcome.seq  # answered before this add's record was durable
+        assert e.lac_waiter(1, 1, lambda: seen.append((-1, -1))) is None  # already past: no waiter
+
+    run(scenario())

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from fragments.placement import BookieInfo
 from terms.commands import CasLedger, SendLacWrite, WriterConfig
 from terms.messages import Tick, WriteFailed
@@ -31,6 +33,28 @@ def test_idle_writer_has_no_deadline_and_an_ack_sets_the_idle_lac_push():
     cmds = w.handle(Tick(deadline))
     assert cmds and all(isinstance(x, SendLacWrite) and x.request.lac == e for x in cmds)
     assert w.lac_pushed == e and w.next_deadline() is None  # idle again
+
+
+def test_eager_lac_push_is_due_at_once_when_no_add_is_in_flight_and_adds_carry_the_lac():
+    """``lac_push_eager``: an acknowledged entry with nothing in flight behind it has its LAC
+    pushed at the next Tick (not ``lac_push_idle_s`` later), to every member; an add sent to the
+    whole ensemble carries the LAC, so no LAC write follows it."""
+    c = Cluster(n=3)
+    w = c.open_writer(lac_push_idle_s=5.0, lac_push_eager=True)
+    assert w.next_deadline() is None
+    w.advance_clock(w.now + 1.0)
+    e = c.append(w, b"one")
+    assert c.acked[-1] == e and w.lac == e > w.lac_pushed  # its own add carried the LAC before it
+    assert w.next_deadline() == w.last_send_at <= w.now  # due now, not after 5 s of idleness
+    cmds = w.handle(Tick(w.now))
+    assert sorted(x.bookie for x in cmds if isinstance(x, SendLacWrite)) == sorted(w.fragment.ensemble)
+    assert all(isinstance(x, SendLacWrite) and x.request.lac == e for x in cmds)
+    assert w.lac_pushed == e and w.next_deadline() is None
+
+    c.hold = set(w.fragment.ensemble)  # the next add is sent (carrying LAC e) but never answered
+    e2 = c.append(w, b"two")
+    assert w.lac == e and w.lac_pushed == e and e2 in w.pending
+    assert w.next_deadline() is None  # nothing to push: the add told every member LAC e
 
 
 def test_a_failed_bookie_without_a_replacement_is_retried_at_growing_intervals():
@@ -106,7 +130,8 @@ def test_no_deadline_while_a_metadata_change_is_in_flight_or_after_the_writer_fi
     assert w.phase is Phase.CLOSED and w.next_deadline() is None
 
 
-def test_a_tick_before_the_deadline_never_does_anything():
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_tick_before_the_deadline_never_does_anything(eager):
     """Randomised: whatever the writer's state (lost sends, failed writes, placement that fails or
     recovers), a Tick with no deadline, or earlier than it, returns no command and changes nothing
     a later step depends on; so a driver that only ticks at the deadline misses nothing a periodic
@@ -116,7 +141,7 @@ def test_a_tick_before_the_deadline_never_does_anything():
     for seed in range(40):
         rng = random.Random(seed)
         c = Cluster(n=4)
-        w = c.open_writer(seed=seed, lac_push_idle_s=0.005, ensemble_retry_s=0.002)
+        w = c.open_writer(seed=seed, lac_push_idle_s=0.005, ensemble_retry_s=0.002, lac_push_eager=eager)
         now = 0.0
         for _ in range(60):
             if w.phase is not Phase.OPEN:
