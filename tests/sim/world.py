@@ -43,6 +43,7 @@ from terms.messages import (
     FenceOk,
     FenceRequest,
     InvalidTerm,
+    LacWriteRequest,
     NotTruncated,
     ReadFailed,
     ReadMissing,
@@ -80,6 +81,7 @@ class SimOptions:
     takeover_p: float
     max_events: int
     unsafe: UnsafeSwitches = field(default_factory=UnsafeSwitches)
+    lac_push_eager: bool = False  # the driver's default: push the LAC at once when no add is in flight
 
     @classmethod
     def from_seed(cls, seed: int, unsafe: UnsafeSwitches | None = None, scale: float = 1.0) -> SimOptions:
@@ -106,6 +108,7 @@ class SimOptions:
             takeover_p=r.choice([0.005, 0.02, 0.05]),
             max_events=int(r.choice([1500, 2500, 4000]) * scale),
             unsafe=unsafe or UnsafeSwitches(),
+            lac_push_eager=r.random() < 0.5,  # drawn last: the other choices of a seed stay as they were
         )
 
 
@@ -236,7 +239,11 @@ class SimBookie:
             self.dirty_from = min(self.dirty_from, self.lac + 1)
         self.state = d.state
         ops.append(("state", d.state))
-        if isinstance(req, AddRequest) or changes_state(before, d):
+        lac_only = (isinstance(req, LacWriteRequest) and before is not None and d.truncate_from is None
+                    and d.state.term == before.term and d.state.clean_term == before.clean_term)
+        if lac_only:
+            pass  # as the bookie: a write that only moves the LAC/LAFR hint is not journaled (a crash forgets it)
+        elif isinstance(req, AddRequest) or changes_state(before, d):
             self.journal.append((ops, reply, answer))
             self._schedule_sync()
         elif answer is not None:
@@ -371,7 +378,8 @@ class SimClient:
         if m.ledger.status is LedgerStatus.CLOSED:
             return
         placement = Placement(self.world.sim.rng, [BookieInfo(b) for b in self.world.bookies])
-        cfg = WriterConfig(max_inflight_entries=self.world.opts.inflight, unsafe=self.world.opts.unsafe)
+        cfg = WriterConfig(max_inflight_entries=self.world.opts.inflight, unsafe=self.world.opts.unsafe,
+                           lac_push_eager=self.world.opts.lac_push_eager)
         self.writer = w = LedgerWriter(m.ledger, m.version, m.last_fragment(), placement, cfg, now=self.world.sim.now)
         self.appended[id(w)] = {}
         self.world.stats.takeovers_started += 1
