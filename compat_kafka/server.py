@@ -486,6 +486,7 @@ class KafkaServer:
                 if queue.empty():
                     break
                 item = queue.get_nowait()
+                starter.start()
                 if item is None or not item.done():
                     carry = item
                     break
@@ -538,7 +539,8 @@ class _Starter:
     dispatcher task it replaces cost two more turns per request). At most ``limit`` requests wait
     here (the read loop waits beyond that), and ``limit`` started ones in the send queue."""
 
-    __slots__ = ("server", "conn", "queue", "limit", "waiting", "busy", "closed", "stopped", "room", "ctx")
+    __slots__ = ("server", "conn", "queue", "limit", "waiting", "busy", "closed", "stopped", "room", "ctx",
+                 "starting")
 
     def __init__(self, server: KafkaServer, conn: _Conn, queue: asyncio.Queue, limit: int):
         self.server = server
@@ -551,6 +553,7 @@ class _Starter:
         self.stopped = False  # the connection is gone: nothing more starts
         self.room: asyncio.Future | None = None  # the read loop waits on it while ``limit`` wait
         self.ctx = contextvars.copy_context()  # each request task runs in its own copy, as if started here
+        self.starting = False  # inside ``start``: a handler applied meanwhile is followed by its loop
 
     async def put(self, item) -> None:
         while len(self.waiting) >= self.limit:
@@ -560,6 +563,15 @@ class _Starter:
         self.start()
 
     def start(self) -> None:
+        if self.starting:  # a handler started below applied its effects: the loop below goes on
+            return
+        self.starting = True
+        try:
+            self._start()
+        finally:
+            self.starting = False
+
+    def _start(self) -> None:
         q = self.queue
         while not self.busy and self.waiting and not q.full() and not self.stopped:
             item = self.waiting.popleft()
@@ -567,8 +579,7 @@ class _Starter:
                 q.put_nowait(item)
                 continue
             self.busy = True
-            q.put_nowait(asyncio.get_running_loop().create_task(
-                self.server._respond(*item, self._applied, self.conn), context=self.ctx.copy()))
+            q.put_nowait(_start_eagerly(self.server._respond(*item, self._applied, self.conn), self.ctx.copy()))
             item = None  # the request is its task's alone (freed once answered)
         if self.room is not None and len(self.waiting) < self.limit:
             if not self.room.done():
@@ -694,6 +705,80 @@ class ByteBudget:
                 continue
             self._take(n)
             fut.set_result(None)
+
+
+def _start_eagerly(coro, ctx: contextvars.Context) -> asyncio.Task:
+    """A task of ``coro`` that has already run, now, up to its first wait (as Python 3.12's eager
+    tasks; 3.11 and uvloop have none): a request's handler applies its effects in the turn it is
+    started, so the requests read in one turn (a client's pipelined produces) are all handled in
+    that turn and their entries leave together. During that first step ``ctx`` is the context and
+    the new task is the current one (``asyncio.timeout`` and the like bind to it)."""
+    loop = asyncio.get_running_loop()
+    state: list = [coro, "first", None]
+    task = loop.create_task(_resumed(state), context=ctx)
+    current = asyncio.current_task(loop)
+    if current is not None:
+        asyncio.tasks._leave_task(loop, current)
+    asyncio.tasks._enter_task(loop, task)
+    try:
+        state[2] = ctx.run(coro.send, None)
+    except StopIteration as stop:
+        state[1], state[2] = "done", stop.value
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the task raises it: the send loop logs it and closes
+        state[1], state[2] = "error", exc
+    finally:
+        asyncio.tasks._leave_task(loop, task)
+        if current is not None:
+            asyncio.tasks._enter_task(loop, current)
+    return task
+
+
+async def _resumed(state: list):
+    """The task's side of ``_start_eagerly``: the outcome of the first step, or the rest."""
+    coro, kind, value = state
+    state.clear()
+    if kind == "done":
+        return value
+    if kind == "error":
+        raise value
+    try:
+        return await _Started(coro, value)
+    finally:
+        del coro, value
+
+
+class _Started:
+    """Awaiting it goes on with a coroutine that was run up to its first wait, where it yielded
+    ``first`` (the future it waits for): what the task hands back (a value, an exception, a
+    cancellation) is passed on to it, as ``yield from`` would had the coroutine not started."""
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro, first):
+        self.coro = coro
+        self.first = first
+
+    def __await__(self):
+        coro, value = self.coro, self.first
+        self.first = None
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - thrown in by the task (a cancellation): passed on
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
 
 
 def _done(data: bytes) -> asyncio.Future:
