@@ -4,9 +4,10 @@ How this works. The data plane (adds, reads, LAC reads and writes, and a take-ov
 recovery reads) runs on one TCP connection to the bookie's data port, in the binary frames of
 ``bookie.wire``; the control plane (trim, info, scrub) on gRPC. A client given only the gRPC address learns the data port from
 Info. ``submit`` (a list of ``AddRequest``) or ``submit_columns`` hands adds to the connection and
-returns one future for them: they leave at once as one ADD frame while fewer than
-``max_inflight_batches`` frames await their answer; otherwise they gather (up to
-``max_batch_adds`` / ``max_batch_bytes``) and leave with the next answer. So a lone add costs one
+returns one future for them: they leave as one ADD frame at the end of the loop turn (with the
+turn's other frames to that bookie, in one send) while fewer than ``max_inflight_batches`` frames
+await their answer; otherwise they gather (up to ``max_batch_adds`` / ``max_batch_bytes``) and
+leave with the next answer. So a lone add costs one
 frame and a busy client sends few, large ones. If the connection breaks, or an add is not answered
 within ``add_timeout_s``, every add not yet answered resolves as failed (``WriteFailed``) and the
 next request opens a fresh connection.
@@ -204,7 +205,7 @@ class _Call:
 class _DataConnection(asyncio.Protocol):
     """One TCP connection to a bookie's data port: frames out, answers matched by request id.
 
-    Adds leave at once while fewer than ``max_inflight_batches`` ADD frames await their answer;
+    Adds leave at the end of the turn while fewer than ``max_inflight_batches`` ADD frames await their answer;
     beyond that they gather into one open batch that leaves with the next answer, so a lone add
     costs one frame and a busy client sends few, large ones. Nothing here runs a task per request:
     answers resolve futures from ``data_received``; one watchdog timer, armed only while requests
