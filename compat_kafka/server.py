@@ -6,9 +6,11 @@ the broker prepare it (``Broker.prepare``: a produce starts opening its partitio
 can see) and hands it to the connection's starter (``_Starter``), which starts each request's
 handler as a task and queues the task; the writer awaits the queued tasks in order and writes
 their responses, so answers leave in request order. Requests also *take effect* in the order sent,
-as in Kafka: the starter starts the next handler only once the previous one has applied its effects — when it returned, or earlier
-when it called ``codec.effects_applied()`` before a wait that changes nothing (a produce waiting
-for its acknowledgements, a fetch's long poll). So 50 pipelined
+as in Kafka: the starter starts the next handler only once the previous one has applied its
+effects — when it returned, or earlier when it called ``codec.effects_applied()`` before a wait
+that changes nothing (a produce waiting for its acknowledgements, a fetch's long poll); it starts
+it eagerly (``_start_eagerly``: up to its first wait, at once), so the requests read in one loop
+turn are handled in that turn. So 50 pipelined
 OffsetCommits are applied one after another and the last one sent is the one that stays, while
 pipelined produces still overlap their replication. An acks=0 produce is handled but answered with
 nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
