@@ -4,9 +4,10 @@ How this works. The data plane (adds, reads, LAC reads and writes, and a take-ov
 recovery reads) runs on one TCP connection to the bookie's data port, in the binary frames of
 ``bookie.wire``; the control plane (trim, info, scrub) on gRPC. A client given only the gRPC address learns the data port from
 Info. ``submit`` (a list of ``AddRequest``) or ``submit_columns`` hands adds to the connection and
-returns one future for them: they leave at once as one ADD frame while fewer than
-``max_inflight_batches`` frames await their answer; otherwise they gather (up to
-``max_batch_adds`` / ``max_batch_bytes``) and leave with the next answer. So a lone add costs one
+returns one future for them: they leave as one ADD frame at the end of the loop turn (with the
+turn's other frames to that bookie, in one send) while fewer than ``max_inflight_batches`` frames
+await their answer; otherwise they gather (up to ``max_batch_adds`` / ``max_batch_bytes``) and
+leave with the next answer. So a lone add costs one
 frame and a busy client sends few, large ones. If the connection breaks, or an add is not answered
 within ``add_timeout_s``, every add not yet answered resolves as failed (``WriteFailed``) and the
 next request opens a fresh connection.
@@ -204,7 +205,7 @@ class _Call:
 class _DataConnection(asyncio.Protocol):
     """One TCP connection to a bookie's data port: frames out, answers matched by request id.
 
-    Adds leave at once while fewer than ``max_inflight_batches`` ADD frames await their answer;
+    Adds leave at the end of the turn while fewer than ``max_inflight_batches`` ADD frames await their answer;
     beyond that they gather into one open batch that leaves with the next answer, so a lone add
     costs one frame and a busy client sends few, large ones. Nothing here runs a task per request:
     answers resolve futures from ``data_received``; one watchdog timer, armed only while requests
@@ -222,7 +223,8 @@ class _DataConnection(asyncio.Protocol):
         self.live = False  # connected (and authenticated): requests may go out
         self.ready = asyncio.get_running_loop().create_future()
         self.watchdog: asyncio.TimerHandle | None = None
-        self._out: list = []  # request frames of this loop turn, written together (``_flush_out``)
+        # request frames of this loop turn, adds included, written together at its end (``_flush_out``)
+        self._out: list = []
         self.connecting = asyncio.ensure_future(self._connect())
 
     async def _connect(self) -> None:
@@ -317,11 +319,11 @@ class _DataConnection(asyncio.Protocol):
         return fut
 
     def _pump(self) -> None:
-        """Send open batches while in-flight slots are free."""
+        """Send open batches while in-flight slots are free. The frames join this loop turn's
+        other requests (``_out``, in the order made): the adds of many writers (a listener's
+        partitions) and their LAC writes to one bookie leave in one send at the end of the turn."""
         limit = self.client.max_inflight_batches
         now = None
-        if self._out:
-            self._flush_out()  # requests made before these adds go first
         while self.open and len(self.adds) < limit and not self.dead:
             ob = self.open.popleft()
             rid = self._rid()
@@ -329,8 +331,8 @@ class _DataConnection(asyncio.Protocol):
                 now = asyncio.get_running_loop().time()
             ob.deadline = now + self.client.add_timeout_s
             self.adds[rid] = ob
-            self.transport.writelines(wire.add_frame(rid, ob.n, ob.size, ob.parts))
-            ob.parts = None  # sent: the payloads need not stay referenced
+            self._queue_out(wire.add_frame(rid, ob.n, ob.size, ob.parts))
+            ob.parts = None  # queued: the payloads are referenced by the frame alone
         if self.adds:
             self._arm()
 
@@ -363,18 +365,19 @@ class _DataConnection(asyncio.Protocol):
         rid = self._rid()
         self.calls[rid] = _Call(op, fut, loop.time() + timeout_s, ledger_id)
         frame = frame_of(rid)
-        if not self._out:
-            loop.call_soon(self._flush_out)
-        if isinstance(frame, list):
-            self._out.extend(frame)
-        else:
-            self._out.append(frame)
+        self._queue_out(frame if isinstance(frame, list) else [frame])
         self._arm()
         return fut
 
+    def _queue_out(self, parts: list) -> None:
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush_out)
+        self._out += parts
+
     def _flush_out(self) -> None:
-        """Write the requests of this loop turn in one ``writelines``: a take-over of many streams
-        (fences, recovery reads, LAC writes) or many readers cost one send, not one per request."""
+        """Write the requests of this loop turn in one ``writelines``: many streams' adds and LAC
+        writes, a take-over of many streams (fences, recovery reads) or many readers cost one send,
+        not one per request."""
         out, self._out = self._out, []
         if out and not self.dead and self.transport is not None:
             self.transport.writelines(out)

@@ -970,8 +970,10 @@ class Broker:
                              responses=())
             if not full:  # the session's partitions, at their cached offsets
                 wanted = [(tp, c.fetch_offset, c.max_bytes) for tp, c in session.partitions.items()]
+        # the request quota's share (the long poll excluded), taken before the next request of the
+        # connection starts: it starts eagerly, inside effects_applied() (server._start_eagerly)
+        handled_s = time.perf_counter() - started
         codec.effects_applied()  # the session is updated; reads change nothing
-        handled_s = time.perf_counter() - started  # the request quota's share (the long poll excluded)
         jobs: dict[str, list[tuple[int, int, int]]] = {}
         for (topic, index), offset, part_max in wanted:
             jobs.setdefault(topic, []).append((index, offset, part_max))

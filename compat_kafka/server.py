@@ -1,14 +1,16 @@
 """The TCP server: frames in, handlers run, responses out in request order.
 
-How this works. Each connection has a reader, a dispatcher and a writer loop. The reader takes
+How this works. Each connection has a reader and a writer loop. The reader takes
 frames off the socket (refusing one over ``max_frame_bytes`` before reading it), decodes each, lets
 the broker prepare it (``Broker.prepare``: a produce starts opening its partitions, which no client
-can see) and queues it; the dispatcher starts each request's handler as a task and queues the
-task; the writer awaits the queued tasks in order and writes their responses, so answers leave in
-request order. Requests also *take effect* in the order sent, as in Kafka: the dispatcher starts
-the next handler only once the previous one has applied its effects — when it returned, or earlier
-when it called ``codec.effects_applied()`` before a wait that changes nothing (a produce waiting
-for its acknowledgements, a fetch's long poll). So 50 pipelined
+can see) and hands it to the connection's starter (``_Starter``), which starts each request's
+handler as a task and queues the task; the writer awaits the queued tasks in order and writes
+their responses, so answers leave in request order. Requests also *take effect* in the order sent,
+as in Kafka: the starter starts the next handler only once the previous one has applied its
+effects — when it returned, or earlier when it called ``codec.effects_applied()`` before a wait
+that changes nothing (a produce waiting for its acknowledgements, a fetch's long poll); it starts
+it eagerly (``_start_eagerly``: up to its first wait, at once), so the requests read in one loop
+turn are handled in that turn. So 50 pipelined
 OffsetCommits are applied one after another and the last one sent is the one that stays, while
 pipelined produces still overlap their replication. An acks=0 produce is handled but answered with
 nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
@@ -45,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import datetime
 import functools
 import logging
@@ -309,11 +312,11 @@ class KafkaServer:
         if ssl_object is not None:  # a verified client certificate names the principal (without SASL)
             with contextlib.suppress(Exception):
                 auth.tls_subject = (ssl_object.getpeercert() or {}).get("subject") or None
-        codec.set_connection_auth(auth)  # before the dispatcher starts: its request tasks inherit it
-        requests: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # read, not started
+        codec.set_connection_auth(auth)  # before the starter is made: its request tasks inherit it
         queue: asyncio.Queue = asyncio.Queue(self.config.max_inflight_requests)  # started, answers in order
-        dispatcher = asyncio.create_task(self._dispatch_loop(requests, queue, conn))
-        sender = asyncio.create_task(self._send_loop(queue, writer))
+        # read, not started; its request tasks inherit this context (connection auth, client host)
+        requests = _Starter(self, conn, queue, self.config.max_inflight_requests)
+        sender = asyncio.create_task(self._send_loop(queue, writer, requests))
         try:
             await self._read_loop(listener, reader, requests, peer, auth, conn)
         except ProtocolError as exc:
@@ -321,11 +324,10 @@ class KafkaServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away (or sent a truncated frame and closed)
         finally:
-            with contextlib.suppress(asyncio.QueueFull):
-                requests.put_nowait(None)
+            requests.close()
             with contextlib.suppress(Exception):  # what was read is still handled and answered (5 s at most)
-                await asyncio.wait([dispatcher, sender], timeout=5.0)
-            dispatcher.cancel()
+                await asyncio.wait([sender], timeout=5.0)
+            requests.stop()
             sender.cancel()
             writer.close()
             with contextlib.suppress(Exception):
@@ -334,7 +336,7 @@ class KafkaServer:
                 self.produce_budget.release(conn.held)
                 conn.held = 0
 
-    async def _read_loop(self, listener: ListenerConfig, reader: asyncio.StreamReader, requests: asyncio.Queue,
+    async def _read_loop(self, listener: ListenerConfig, reader: asyncio.StreamReader, requests: _Starter,
                          peer, auth: codec.ConnectionAuth, conn: _Conn) -> None:
         session: list[sasl.SaslSession] = []  # the mechanism chosen by SaslHandshake
         loop = asyncio.get_running_loop()
@@ -437,34 +439,16 @@ class KafkaServer:
         return codec.build(resp_cls, error_code=ErrorCode.none, error_message=None, auth_bytes=token,
                            session_lifetime=datetime.timedelta(milliseconds=lifetime_ms)), False
 
-    async def _dispatch_loop(self, requests: asyncio.Queue, queue: asyncio.Queue, conn: _Conn) -> None:
-        """Start the requests read, in order, each once the previous one has taken effect."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                item = await requests.get()
-                if item is None:
-                    return
-                if isinstance(item, asyncio.Future):  # an answer made while reading
-                    await queue.put(item)
-                    continue
-                applied = loop.create_future()
-                await queue.put(asyncio.create_task(self._respond(*item, applied, conn)))
-                item = None  # the request is its task's alone (freed once answered)
-                await applied
-        finally:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
-
-    async def _respond(self, req: codec.Request, held: int, applied: asyncio.Future, conn: _Conn) -> bytes | None:
+    async def _respond(self, req: codec.Request, held: int, applied, conn: _Conn) -> bytes | None:
+        """Handle one request; ``applied()`` once it has taken effect (see ``_Starter``)."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()  # not loop.time(): uvloop's is cached per loop turn, in ms
-        handled = [0.0]
+        handled = [-1.0]
 
         def done() -> None:
-            if not applied.done():
+            if handled[0] < 0:
                 handled[0] = time.perf_counter() - started  # handling time for the request quota (waits excluded)
-                applied.set_result(None)
+                applied()
 
         codec.set_effects_applied_callback(done)
         try:
@@ -480,13 +464,14 @@ class KafkaServer:
             conn.muted_until = max(conn.muted_until, loop.time() + throttle_s)
         return None if body is None else codec.encode_response(req.correlation_id, body)
 
-    async def _send_loop(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+    async def _send_loop(self, queue: asyncio.Queue, writer: asyncio.StreamWriter, starter: _Starter) -> None:
         """Answers in request order. The answers already made when one is written go out with it in
         one write (one syscall): the produces acknowledged by one entry finish together."""
         carry: Any = _NOTHING  # an answer taken off the queue but not made yet: the next to wait for
         while True:
             item = await queue.get() if carry is _NOTHING else carry
             carry = _NOTHING
+            starter.start()  # room in the queue: requests held back by a full one may start
             if item is None:
                 return
             out: list[bytes] = []
@@ -507,6 +492,7 @@ class KafkaServer:
                 if queue.empty():
                     break
                 item = queue.get_nowait()
+                starter.start()
                 if item is None or not item.done():
                     carry = item
                     break
@@ -548,6 +534,79 @@ class _WritersHeld:
 
 
 _NOTHING = object()
+
+
+class _Starter:
+    """Starts a connection's requests, in the order read, each once the previous one has taken
+    effect (``applied``: its handler returned or called ``codec.effects_applied()``), and queues
+    their tasks (and the answers made while reading) for the send loop. No task of its own: the
+    read loop hands it each request and the previous handler's ``applied`` starts the next one
+    at once, so a pipelined request starts in the loop turn its predecessor took effect (the
+    dispatcher task it replaces cost two more turns per request). At most ``limit`` requests wait
+    here (the read loop waits beyond that), and ``limit`` started ones in the send queue."""
+
+    __slots__ = ("server", "conn", "queue", "limit", "waiting", "busy", "closed", "stopped", "room", "ctx",
+                 "starting")
+
+    def __init__(self, server: KafkaServer, conn: _Conn, queue: asyncio.Queue, limit: int):
+        self.server = server
+        self.conn = conn
+        self.queue = queue
+        self.limit = limit
+        self.waiting: collections.deque = collections.deque()  # (request, held) or an answer's future
+        self.busy = False  # a handler started and not yet applied
+        self.closed = False  # nothing more is read: the send loop gets None once all are queued
+        self.stopped = False  # the connection is gone: nothing more starts
+        self.room: asyncio.Future | None = None  # the read loop waits on it while ``limit`` wait
+        self.ctx = contextvars.copy_context()  # each request task runs in its own copy, as if started here
+        self.starting = False  # inside ``start``: a handler applied meanwhile is followed by its loop
+
+    async def put(self, item) -> None:
+        while len(self.waiting) >= self.limit:
+            self.room = asyncio.get_running_loop().create_future()
+            await self.room
+        self.waiting.append(item)
+        self.start()
+
+    def start(self) -> None:
+        if self.starting:  # a handler started below applied its effects: the loop below goes on
+            return
+        self.starting = True
+        try:
+            self._start()
+        finally:
+            self.starting = False
+
+    def _start(self) -> None:
+        q = self.queue
+        while not self.busy and self.waiting and not q.full() and not self.stopped:
+            item = self.waiting.popleft()
+            if isinstance(item, asyncio.Future):  # an answer made while reading
+                q.put_nowait(item)
+                continue
+            self.busy = True
+            q.put_nowait(_start_eagerly(self.server._respond(*item, self._applied, self.conn), self.ctx.copy()))
+            item = None  # the request is its task's alone (freed once answered)
+        if self.room is not None and len(self.waiting) < self.limit:
+            if not self.room.done():
+                self.room.set_result(None)
+            self.room = None
+        if self.closed and not self.waiting and not q.full() and not self.stopped:
+            self.stopped = True
+            q.put_nowait(None)
+
+    def _applied(self) -> None:
+        self.busy = False
+        self.start()
+
+    def close(self) -> None:
+        self.closed = True
+        self.start()
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.room is not None and not self.room.done():
+            self.room.cancel()
 
 
 class _Conn:
@@ -652,6 +711,80 @@ class ByteBudget:
                 continue
             self._take(n)
             fut.set_result(None)
+
+
+def _start_eagerly(coro, ctx: contextvars.Context) -> asyncio.Task:
+    """A task of ``coro`` that has already run, now, up to its first wait (as Python 3.12's eager
+    tasks; 3.11 and uvloop have none): a request's handler applies its effects in the turn it is
+    started, so the requests read in one turn (a client's pipelined produces) are all handled in
+    that turn and their entries leave together. During that first step ``ctx`` is the context and
+    the new task is the current one (``asyncio.timeout`` and the like bind to it)."""
+    loop = asyncio.get_running_loop()
+    state: list = [coro, "first", None]
+    task = loop.create_task(_resumed(state), context=ctx)
+    current = asyncio.current_task(loop)
+    if current is not None:
+        asyncio.tasks._leave_task(loop, current)
+    asyncio.tasks._enter_task(loop, task)
+    try:
+        state[2] = ctx.run(coro.send, None)
+    except StopIteration as stop:
+        state[1], state[2] = "done", stop.value
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the task raises it: the send loop logs it and closes
+        state[1], state[2] = "error", exc
+    finally:
+        asyncio.tasks._leave_task(loop, task)
+        if current is not None:
+            asyncio.tasks._enter_task(loop, current)
+    return task
+
+
+async def _resumed(state: list):
+    """The task's side of ``_start_eagerly``: the outcome of the first step, or the rest."""
+    coro, kind, value = state
+    state.clear()
+    if kind == "done":
+        return value
+    if kind == "error":
+        raise value
+    try:
+        return await _Started(coro, value)
+    finally:
+        del coro, value
+
+
+class _Started:
+    """Awaiting it goes on with a coroutine that was run up to its first wait, where it yielded
+    ``first`` (the future it waits for): what the task hands back (a value, an exception, a
+    cancellation) is passed on to it, as ``yield from`` would had the coroutine not started."""
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro, first):
+        self.coro = coro
+        self.first = first
+
+    def __await__(self):
+        coro, value = self.coro, self.first
+        self.first = None
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - thrown in by the task (a cancellation): passed on
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
 
 
 def _done(data: bytes) -> asyncio.Future:

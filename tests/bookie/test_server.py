@@ -249,3 +249,40 @@ def test_a_full_write_cache_holds_a_data_connection_until_a_flush_frees_it(tmp_p
             assert [x.entry_id for x in (await c.read(1, eid, eid + 1)).entries] == [eid, eid + 1]
 
     run(scenario())
+
+
+def test_adds_of_many_ledgers_made_in_one_loop_turn_leave_in_one_send(tmp_path: Path) -> None:
+    """A listener's partitions each hand their entry to the same bookie connection in one loop
+    turn: the frames go out together at the end of the turn (one write, not one per ledger), in
+    the order made, and every add is stored."""
+    async def scenario() -> None:
+        async with serving(tmp_path) as (_server, c):
+            conn = await c._ready_connection()
+            real = conn.transport
+            writes: list[int] = []
+
+            class CountingTransport:  # the real transport, its writes counted
+                def writelines(self, bufs) -> None:
+                    bufs = list(bufs)
+                    writes.append(len(bufs))
+                    real.writelines(bufs)
+
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+            conn.transport = CountingTransport()
+            try:
+                futs = [c.submit([AddRequest(ledger, 0, 1, -1, -1, b"noop", truncate=True)]) for ledger in range(1, 9)]
+                assert len(conn.adds) == 8 and writes == []  # in flight, sent at the end of this turn
+                assert all(r.all_ok for r in await asyncio.gather(*futs))
+                assert len(writes) == 1
+                futs = [c.submit(entries(ledger, [1], 1)) for ledger in range(1, 9)]
+                assert all(r.all_ok for r in await asyncio.gather(*futs))
+                assert len(writes) == 2
+            finally:
+                conn.transport = real
+            for ledger in range(1, 9):
+                got = await c.read(ledger, 1, 1)
+                assert [e.data for e in got.entries] == [b"v-1-1"]
+
+    run(scenario())

@@ -122,3 +122,25 @@ def test_pipelined_produces_are_stored_in_the_order_sent(shim, topic):
                 partition=0, current_leader_epoch=-1, fetch_offset=len(values), last_fetched_epoch=-1,
                 log_start_offset=-1, partition_max_bytes=1 << 20),)),))
         assert values == [b"v%d" % i for i in range(40)]
+
+
+def test_pipelined_requests_beyond_the_in_flight_bounds_are_all_applied_and_answered_in_order(shim, topic):
+    """With ``max_inflight_requests`` 2 the listener holds at most 2 requests read and not started,
+    and 2 started and not answered: 30 pipelined produces wait in the socket, none is lost or
+    reordered, and the connection keeps serving afterwards."""
+    config = shim.server.config
+    # read once per connection, as it is accepted (this test's connection is the only one meanwhile)
+    shim.server.config = dataclasses.replace(config, max_inflight_requests=2)
+    try:
+        with connect(shim) as s:
+            _create(s, topic)
+            answers = _pipeline(s, [_produce(topic, 0, _batch(b"v%d" % i)) for i in range(30)], 10)
+            parts = [a.responses[0].partition_responses[0] for a in answers]
+            assert [p.error_code for p in parts] == [ErrorCode.none] * 30
+            assert [p.base_offset for p in parts] == list(range(30))
+            group = f"g-{topic}"
+            answers = _pipeline(s, [_commit(group, topic, n) for n in range(1, 21)], 100)
+            assert all(a.topics[0].partitions[0].error_code == ErrorCode.none for a in answers)
+            assert _committed(s, group, topic, 200) == 20
+    finally:
+        shim.server.config = config
