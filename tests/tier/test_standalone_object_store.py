@@ -13,8 +13,8 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
-import psutil
 import pytest
 
 from fragments import tier as tp
@@ -26,12 +26,19 @@ from tests.ports import port_block
 pytestmark = pytest.mark.process
 
 
-def _weed_processes(directory) -> list[psutil.Process]:
+def _weed_processes(directory) -> list[int]:
+    """Pids of live SeaweedFS processes working in ``directory`` (from /proc: no psutil in tests)."""
     out = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if any("weed" in c for c in cmd[:1]) and any(str(directory) in c for c in cmd):
-            out.append(p)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and cmd and b"weed" in cmd[0] and any(str(directory).encode() in c for c in cmd):
+            out.append(int(d.name))
     return out
 
 
