@@ -16,10 +16,23 @@ def _free(port: int) -> bool:
         return True
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections (32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def port_block(n: int) -> int:
-    """The first of ``n`` consecutive ports that are free now."""
+    """The first of ``n`` consecutive ports that are free now, below the kernel's ephemeral range:
+    a server started some seconds later (SeaweedFS binds its S3 port last, after its own
+    components have made their connections) must not find its port taken by an outgoing
+    connection's local port meanwhile (seen in CI: "bind: address already in use")."""
+    hi = max(20000 + 16 * 64, min(60000, _ephemeral_low()) - n)
     for _ in range(200):
-        base = random.randrange(20000, 60000, 16)
+        base = random.randrange(20000, hi, 16)
         if all(_free(base + i) for i in range(n)):
             return base
     raise RuntimeError(f"no block of {n} free ports")
