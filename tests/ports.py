@@ -30,7 +30,7 @@ def port_block(n: int) -> int:
     a server started some seconds later (SeaweedFS binds its S3 port last, after its own
     components have made their connections) must not find its port taken by an outgoing
     connection's local port meanwhile (seen in CI: "bind: address already in use")."""
-    hi = max(20000 + 16 * 64, min(60000, _ephemeral_low()) - n)
+    hi = max(20000 + 16 * 64, min(26000, _ephemeral_low()) - n)  # free_port takes 26000 and up
     for _ in range(200):
         base = random.randrange(20000, hi, 16)
         if all(_free(base + i) for i in range(n)):

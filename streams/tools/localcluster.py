@@ -22,7 +22,9 @@ bookies' certificate, a client certificate and the token file are written under 
 
 from __future__ import annotations
 
+import collections
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,7 +41,39 @@ class ClusterError(RuntimeError):
     pass
 
 
+_PORTS_FROM = 26000  # free_port's ports; tests' port blocks take 20000-25999 (tests/ports.py)
+_HANDED_OUT: collections.deque = collections.deque(maxlen=4000)  # recent free_port answers, this process
+_HANDED_LOCK = threading.Lock()
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections (32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A loopback port free now, for a server started a little later. Taken below the kernel's
+    ephemeral range when there is room: a port the kernel handed out (bind to 0) can be taken
+    meanwhile as the local port of an outgoing connection, and the server then fails to bind (seen
+    in CI). Not one this process handed out lately (it may not be bound yet)."""
+    hi = _ephemeral_low()
+    if hi - _PORTS_FROM >= 2000:
+        with _HANDED_LOCK:
+            for _ in range(200):
+                port = random.randrange(_PORTS_FROM, hi)
+                if port in _HANDED_OUT:
+                    continue
+                with socket.socket() as s:
+                    try:
+                        s.bind(("127.0.0.1", port))
+                    except OSError:
+                        continue
+                _HANDED_OUT.append(port)
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
