@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 import socket
 
+from streams.tools.localcluster import _ephemeral_low
+
 
 def _free(port: int) -> bool:
     with socket.socket() as s:
@@ -14,15 +16,6 @@ def _free(port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def _ephemeral_low() -> int:
-    """The first port the kernel hands out to outgoing connections (32768 by default)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def port_block(n: int) -> int:

@@ -241,9 +241,8 @@ class SimBookie:
         ops.append(("state", d.state))
         lac_only = (isinstance(req, LacWriteRequest) and before is not None and d.truncate_from is None
                     and d.state.term == before.term and d.state.clean_term == before.clean_term)
-        if lac_only:
-            pass  # as the bookie: a write that only moves the LAC/LAFR hint is not journaled (a crash forgets it)
-        elif isinstance(req, AddRequest) or changes_state(before, d):
+        # as the bookie: a write that only moves the LAC/LAFR hint is not journaled (a crash forgets it)
+        if not lac_only and (isinstance(req, AddRequest) or changes_state(before, d)):
             self.journal.append((ops, reply, answer))
             self._schedule_sync()
         elif answer is not None:
