@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
+import time
 
 import pytest
 
@@ -91,6 +93,40 @@ def shim(kafka_cluster):
     s.start()
     yield s
     s.stop()
+
+
+def only_live_brokers(bootstrap: str, timeout_s: float = 30.0) -> None:
+    """Wait until every broker the listener at ``bootstrap`` lists accepts a connection.
+
+    Tests that stop an extra listener on the shared cluster deregister it, but a listener's
+    Metadata answer may name the stopped node for up to half a second more (its cached live-broker
+    list). librdkafka retries another broker; kafka-python's admin sends a FindCoordinator to a
+    random known broker and fails on ECONNREFUSED, so build one only on a cluster without a dead
+    node in its metadata."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        brokers = admin.list_topics(timeout=10).brokers.values()
+        dead = []
+        for b in brokers:
+            with socket.socket() as s:
+                s.settimeout(1.0)
+                if s.connect_ex((b.host, b.port)) != 0:
+                    dead.append(f"{b.id}@{b.host}:{b.port}")
+        if not dead:
+            return
+        assert time.monotonic() < deadline, f"the listener still lists stopped brokers {dead}"
+        time.sleep(0.1)
+
+
+def kafka_python_admin(bootstrap: str, **options):
+    """kafka-python's KafkaAdminClient, built once no stopped broker is listed (``only_live_brokers``)."""
+    from kafka import KafkaAdminClient
+
+    only_live_brokers(bootstrap)
+    return KafkaAdminClient(bootstrap_servers=bootstrap, **options)
 
 
 _n = itertools.count(1)

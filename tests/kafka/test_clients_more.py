@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from .conftest import kafka_python_admin
 from .test_groups import create_topic
 
 pytestmark = pytest.mark.process
@@ -141,9 +142,9 @@ def test_kafka_python_producer_group_consumer_and_resume(shim, topic):
 
 def test_kafka_python_admin_create_list_delete_topics_and_groups(shim, topic):
     import kafka  # installed by the test extra: missing fails, never skips
-    from kafka.admin import ConfigResource, KafkaAdminClient, NewPartitions, NewTopic
+    from kafka.admin import ConfigResource, NewPartitions, NewTopic
 
-    admin = KafkaAdminClient(bootstrap_servers=shim.bootstrap)
+    admin = kafka_python_admin(shim.bootstrap)
     try:
         admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
         assert topic in admin.list_topics()

@@ -19,6 +19,7 @@ from compat_kafka.partitions.fetch_sessions import (
     SessionError,
 )
 
+from .conftest import kafka_python_admin
 from .test_bad_input import _produce, call, connect
 from .test_ordering import _batch
 
@@ -128,9 +129,9 @@ def test_session_over_a_socket(shim, topic):
 @pytest.mark.process
 def test_kafka_python_consumer_uses_a_session_and_reads_everything(shim, topic):
     from kafka import KafkaConsumer, KafkaProducer
-    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.admin import NewTopic
 
-    admin = KafkaAdminClient(bootstrap_servers=shim.bootstrap)
+    admin = kafka_python_admin(shim.bootstrap)
     admin.create_topics([NewTopic(topic, 12, 1)])
     admin.close()
     p = KafkaProducer(bootstrap_servers=shim.bootstrap, acks="all")

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient
-from kafka import KafkaAdminClient
 from kafka import TopicPartition as KpTopicPartition
 from kafka.errors import KafkaError
 
+from .conftest import kafka_python_admin
 from .test_groups import assignment, consumer, create_topic, poll_until
 
 pytestmark = pytest.mark.process
@@ -29,7 +29,7 @@ def committed(admin: AdminClient, group: str) -> dict[tuple[str, int], int]:
 
 @pytest.fixture()
 def kp_admin(shim):
-    a = KafkaAdminClient(bootstrap_servers=shim.bootstrap, request_timeout_ms=20_000)
+    a = kafka_python_admin(shim.bootstrap, request_timeout_ms=20_000)
     yield a
     a.close()
 

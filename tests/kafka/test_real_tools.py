@@ -41,6 +41,8 @@ from streams.client import connect
 from streams.tools import compaction
 from streams.topics import partition_stream
 
+from .conftest import kafka_python_admin
+
 pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -399,11 +401,11 @@ def test_confluent_admin_creates_describes_and_alters_compacted_topics(admin, to
 
 def test_kafka_python_admin_creates_and_describes_a_compacted_topic(shim, topic):
     from kafka.admin import ConfigResource as KConfigResource
-    from kafka.admin import ConfigResourceType, KafkaAdminClient
+    from kafka.admin import ConfigResourceType
     from kafka.admin import NewTopic as KNewTopic
     from kafka.errors import InvalidConfigurationError
 
-    admin = KafkaAdminClient(bootstrap_servers=shim.bootstrap, client_id="real-tools-kafka-python")
+    admin = kafka_python_admin(shim.bootstrap, client_id="real-tools-kafka-python")
     try:
         admin.create_topics([KNewTopic(topic, 1, 1, topic_configs={"cleanup.policy": "compact",
                                                                    "min.compaction.lag.ms": "100"})])
