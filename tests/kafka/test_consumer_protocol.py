@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -158,7 +159,11 @@ def test_partitions_move_when_a_member_leaves_and_when_one_crashes(shim, topic):
         doomed = subprocess.Popen([sys.executable, "-c", _DOOMED, shim.bootstrap, group, topic],
                                   stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
         poll_until([a], lambda: len(assignment(a)) == 2, timeout=20)
-        theirs = {int(p) for p in doomed.stdout.readline().split()[1].split(",")}
+        ready, _, _ = select.select([doomed.stdout], [], [], 30)  # a blocking readline could hang the run
+        assert ready, f"the second member was not assigned within 30 s (alive: {doomed.poll() is None})"
+        line = doomed.stdout.readline()
+        assert line.startswith("assigned "), f"the second member said {line!r} (exit code {doomed.poll()})"
+        theirs = {int(p) for p in line.split()[1].split(",")}
         assert theirs == set(range(4)) - assignment(a)
         doomed.send_signal(signal.SIGKILL)  # no leave: the session timeout (3 s here) removes it
         doomed.wait(10)
