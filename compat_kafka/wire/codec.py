@@ -500,7 +500,7 @@ def response_schema(api_key: int, version: int) -> type:
 
 def encode_response(correlation_id: int, body: Any) -> bytes:
     """A whole response frame: size, the response header of the body's schema, body."""
-    fast = produce.encode_response(correlation_id, body)  # Produce v3-v9: produce.py; None for the rest
+    fast = produce.encode_response(correlation_id, body)  # Produce v3-v12: produce.py; None for the rest
     if fast is not None:
         return fast
     return encode_response_generic(correlation_id, body)

@@ -1,10 +1,11 @@
-"""The hand-written Produce v3-v9 codec (compat_kafka/wire/produce.py) against kio's generic one:
+"""The hand-written Produce v3-v12 codec (compat_kafka/wire/produce.py) against kio's generic one:
 for random valid requests and answers of every version it decodes to equal entities and writes the
 same bytes; it skips unknown tagged fields (as the protocol says; kio refuses them); and a damaged
 request is left to the generic path, so it gets the same error as before."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import struct
 import sys
@@ -78,7 +79,7 @@ def test_many_topics_and_partitions_and_empty_arrays(version):
         assert req.body == body
 
 
-# ---------------------------------------------------------------- v9 tagged fields
+# ---------------------------------------------------------------- v9+ tagged fields
 def _uvarint(n: int) -> bytes:
     out = bytearray()
     while n >= 0x80:
@@ -100,9 +101,9 @@ def _cstr(s: str | None) -> bytes:
 
 
 def _v9_frame(body, correlation_id, client_id, tags) -> bytes:
-    """A Produce v9 request written by hand, with the given tagged-field sections (kio writes none)."""
+    """A Produce v9+ request written by hand, with the given tagged-field sections (kio writes none)."""
     cid = b"\xff\xff" if client_id is None else struct.pack(">h", len(client_id.encode())) + client_id.encode()
-    out = [struct.pack(">hhi", 0, 9, correlation_id), cid, _tags(tags["header"]), _cstr(body.transactional_id),
+    out = [struct.pack(">hhi", 0, body.__version__, correlation_id), cid, _tags(tags["header"]), _cstr(body.transactional_id),
            struct.pack(">hi", body.acks, round(body.timeout.total_seconds() * 1000)), _uvarint(len(body.topic_data) + 1)]
     for i, t in enumerate(body.topic_data):
         out += [_cstr(t.name), _uvarint(len(t.partition_data) + 1)]
@@ -115,7 +116,7 @@ def _v9_frame(body, correlation_id, client_id, tags) -> bytes:
 
 
 @SETTINGS
-@given(requests(version=st.just(9)), st.fixed_dictionaries({k: TAGS for k in ("header", "body", "topic", "partition")}))
+@given(requests(version=st.integers(9, produce.LAST)), st.fixed_dictionaries({k: TAGS for k in ("header", "body", "topic", "partition")}))
 def test_v9_unknown_tagged_fields_are_skipped(case, tags):
     body, correlation_id, client_id = case
     plain = _v9_frame(body, correlation_id, client_id, {k: [] for k in tags})
@@ -206,3 +207,19 @@ def test_other_answers_and_old_versions_go_through_kio():
     body = codec.build(v2, responses=(), throttle_time=datetime.timedelta(0))
     assert produce.encode_response(1, body) is None
     assert codec.encode_response(1, body) == codec.encode_response_generic(1, body)
+
+
+def test_v10_answers_with_tagged_fields_set_go_through_kio():
+    """KIP-951's current_leader / node_endpoints (Scroll leaves them at their defaults): kio writes them."""
+    resp_cls = load_response_schema(0, 12)
+    m = sys.modules[resp_cls.__module__]
+    part = codec.build(m.PartitionProduceResponse, index=0, error_code=ErrorCode.not_leader_or_follower,
+                       base_offset=-1, log_start_offset=-1, record_errors=())
+    plain = resp_cls(responses=(m.TopicProduceResponse(name="t", partition_responses=(part,)),))
+    assert produce.encode_response(3, plain) == codec.encode_response_generic(3, plain)
+    led = dataclasses.replace(part, current_leader=m.LeaderIdAndEpoch(leader_id=2, leader_epoch=5))
+    for body in (resp_cls(responses=(m.TopicProduceResponse(name="t", partition_responses=(led,)),)),
+                 dataclasses.replace(plain, node_endpoints=(m.NodeEndpoint(node_id=2, host="h", port=9),))):
+        assert produce.encode_response(3, body) is None
+        assert codec.encode_response(3, body) == codec.encode_response_generic(3, body)
+        assert codec.decode_response(codec.encode_response(3, body)[4:], 0, 12) == (3, body)
