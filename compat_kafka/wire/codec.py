@@ -551,6 +551,7 @@ def _field_names(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 
+@functools.cache  # a handler asks on every request (Produce: twice per request)
 def nested(body_cls: type, name: str) -> type:
     """A nested entity class of the same schema module (e.g. ``PartitionData`` of Fetch v12)."""
     import sys
