@@ -24,7 +24,7 @@ log_start_offset (v5+), record_errors [batch_index, batch_index_error_message] (
 error_message (v8+)]], throttle_time_ms. v10-v12 requests are v9's; their answers add two tagged
 fields (KIP-951: a partition's current_leader, tag 0, and the answer's node_endpoints, tag 0), which
 Scroll leaves at their defaults (not written): an answer that sets them is left to kio. librdkafka
-2.16 sends v11 or v12 (the highest it shares with us).
+2.16 sends a version above v9 (with v3-v9 only, its requests all took the generic path).
 """
 
 from __future__ import annotations
