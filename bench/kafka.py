@@ -203,12 +203,15 @@ def tail_consumer(bootstrap: str, topic: str, partitions: int, count: int, ready
 
 # ---------------------------------------------------------------- phases
 def produce(bootstrap: str, topic: str, partitions: int, records: int, value_bytes: int,
-            rate: float | None = None, conf: dict | None = None) -> dict:
+            rate: float | None = None, conf: dict | None = None, shim_pid: int | None = None) -> dict:
     from confluent_kafka import Producer
 
     settings = {"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
                 "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 2_097_151, **(conf or {})}
     settings = {k: v for k, v in settings.items() if v is not None}  # None: librdkafka's default
+    stats: list[dict] = []  # paced: librdkafka's statistics, for its count of Produce requests sent
+    if rate is not None:
+        settings.update({"statistics.interval.ms": 500, "stats_cb": lambda s: stats.append(json.loads(s))})
     p = Producer(settings)
     linger_ms = float(settings.get("linger.ms", 5))  # librdkafka's default is 5 ms
     value = os.urandom(value_bytes)
@@ -238,7 +241,15 @@ def produce(bootstrap: str, topic: str, partitions: int, records: int, value_byt
             p.poll(0)
     left = p.flush(120)
     dt = time.perf_counter() - t0
-    return {"records": records, "seconds": dt, "records_per_s": records / dt,
+    shim_cpu_at_flush = cpu_s(shim_pid) if shim_pid is not None else None
+    produce_requests = None
+    if rate is not None:  # the statistics of a moment after the last delivery: every request counted
+        seen, until = len(stats), time.monotonic() + 3
+        while len(stats) <= seen + 1 and time.monotonic() < until:
+            p.poll(0.1)
+        if len(stats) > seen + 1:
+            produce_requests = sum(b.get("req", {}).get("Produce", 0) for b in stats[-1]["brokers"].values())
+    return {"produce_requests": produce_requests, "shim_cpu_at_flush": shim_cpu_at_flush,"records": records, "seconds": dt, "records_per_s": records / dt,
             "mb_per_s": records * value_bytes / dt / 1e6, "errors": errors[0] + left,
             "p50_ms": pct(lat, 0.5) * 1000, "p99_ms": pct(lat, 0.99) * 1000, "linger_ms": linger_ms}
 
@@ -719,8 +730,12 @@ def throughput(args, cluster, base: Path, results: dict) -> None:
             ready.wait(60)
             spies = start_spy(f"paced-linger{linger}")
             c0 = cpu_s(shim.pid)
-            paced = produce(bootstrap, topic, args.partitions, paced_n, args.value_bytes, rate=args.rate, conf=conf)
-            paced["shim_cpu_us_per_record"] = (cpu_s(shim.pid) - c0) / paced_n * 1e6  # the tail's reads included
+            paced = produce(bootstrap, topic, args.partitions, paced_n, args.value_bytes, rate=args.rate, conf=conf,
+                            shim_pid=shim.pid)
+            shim_cpu_s = paced["shim_cpu_at_flush"] - c0  # the tail's reads included
+            paced["shim_cpu_us_per_record"] = shim_cpu_s / paced_n * 1e6
+            reqs = paced["produce_requests"]
+            paced["shim_cpu_us_per_produce_request"] = shim_cpu_s / reqs * 1e6 if reqs else None
             stop_spy(spies)
             results["paced_by_linger"][linger] = paced
             results.setdefault("paced", paced)
@@ -733,7 +748,9 @@ def throughput(args, cluster, base: Path, results: dict) -> None:
                   f"{paced['p50_ms']:.1f} ms p99 {paced['p99_ms']:.1f} ms (p50 - linger.ms: "
                   f"{paced['p50_ms'] - paced['linger_ms']:.1f} ms; native append p50 {nat['paced_p50_ms']:.2f} ms); "
                   f"end to end p50 {paced['e2e_p50_ms']:.1f} ms p99 {paced['e2e_p99_ms']:.1f} ms; shim CPU "
-                  f"{paced['shim_cpu_us_per_record']:.1f} µs/record (tailed)", flush=True)
+                  f"{paced['shim_cpu_us_per_record']:.1f} µs/record (tailed)" + (
+                      f"; {reqs:,} Produce requests ({paced_n / reqs:.2f} records each), shim CPU "
+                      f"{paced['shim_cpu_us_per_produce_request']:.1f} µs/request" if reqs else ""), flush=True)
 
         spies = start_spy("consume")
         c0, b0 = cpu_s(shim.pid), bookies_cpu()

@@ -158,6 +158,12 @@ class BrokerConfig:
             raise ValueError(f"node_id must be 0..2**31-1, not {self.node_id}")
 
 
+@functools.cache
+def _batch_error_cls(resp_cls: type) -> type | None:
+    """Produce v8+'s ``BatchIndexAndErrorMessage`` of the answer's schema (None before v8)."""
+    return getattr(sys.modules[resp_cls.__module__], "BatchIndexAndErrorMessage", None)
+
+
 async def _all_done(futs: list[asyncio.Future], timeout_s: float) -> bool:
     """Wait until every one of ``futs`` is done, or one has failed (as ``gather``), for at most
     ``timeout_s``; whether that happened in time. The futures are not cancelled on a timeout
@@ -851,7 +857,7 @@ class Broker:
         if req.acks == 0:
             return None
         by_topic: dict[str, list] = {}
-        err_cls = getattr(sys.modules[resp_cls.__module__], "BatchIndexAndErrorMessage", None)  # v8+
+        err_cls = _batch_error_cls(resp_cls)  # v8+
         for name, index in order:
             exc, base, log_start = results[(name, index)]
             record_errors = ()

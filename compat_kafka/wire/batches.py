@@ -30,7 +30,6 @@ from streams.batches import (
     OFF_LENGTH,
     OFF_MAGIC,
     OFF_MAX_TIMESTAMP,
-    producer_fields,
 )
 
 from .errors import CorruptMessage, InvalidRecord, InvalidRequest, UnsupportedForMessageFormat
@@ -38,6 +37,11 @@ from .errors import CorruptMessage, InvalidRecord, InvalidRequest, UnsupportedFo
 _I64 = struct.Struct(">q")
 _I32 = struct.Struct(">i")
 _U32 = struct.Struct(">I")
+# a batch's header from its CRC on, in one unpack: crc, attributes, lastOffsetDelta, (baseTimestamp
+# skipped), maxTimestamp, producerId, producerEpoch, baseSequence, records count
+_HEADER = struct.Struct(">Ihi8xqqhii")
+assert (OFF_CRC + 4, OFF_ATTRIBUTES + 2, OFF_LAST_DELTA + 4, OFF_MAX_TIMESTAMP, OFF_COUNT + 4 - OFF_CRC) == (
+    OFF_ATTRIBUTES, OFF_LAST_DELTA, OFF_MAX_TIMESTAMP - 8, OFF_MAX_TIMESTAMP, _HEADER.size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,17 +80,12 @@ def split_batches(records: bytes, max_batches: int = 10_000) -> list[Batch]:
         magic = view[pos + OFF_MAGIC]
         if magic != 2:
             raise UnsupportedForMessageFormat(f"record batch magic {magic}: only magic 2 is supported")
-        raw = view[pos:end]
-        (crc,) = _U32.unpack_from(raw, OFF_CRC)
+        raw = view if end - pos == n else view[pos:end]  # the common case: one batch, the whole blob
+        (crc, attrs, last_delta, max_ts, pid, epoch, seq, count) = _HEADER.unpack_from(raw, OFF_CRC)
         if crc32c.crc32c(raw[OFF_ATTRIBUTES:]) != crc:
             raise CorruptMessage(f"record batch at byte {pos}: CRC mismatch")
-        (last_delta,) = _I32.unpack_from(raw, OFF_LAST_DELTA)
-        (count,) = _I32.unpack_from(raw, OFF_COUNT)
         if last_delta < 0 or count < 0 or count > last_delta + 1:
             raise CorruptMessage(f"record batch at byte {pos}: {count} records, lastOffsetDelta {last_delta}")
-        (max_ts,) = _I64.unpack_from(raw, OFF_MAX_TIMESTAMP)
-        pid, epoch, seq = producer_fields(raw)
-        attrs = raw[OFF_ATTRIBUTES + 1]
         if attrs & ATTR_CONTROL:
             raise InvalidRecord(f"record batch at byte {pos} is a control batch: only the transaction "
                                 "coordinator writes those")

@@ -33,7 +33,7 @@ from kio.schema.api_versions.v0.response import ApiVersionsResponse as ApiVersio
 from kio.schema.errors import ErrorCode
 from kio.serial import entity_reader, entity_writer
 
-from . import guard
+from . import guard, produce
 from .errors import CorruptRequest, FrameTooLarge, UnsupportedRequest
 
 API_PRODUCE = 0
@@ -460,6 +460,15 @@ def decode_request(data: bytes) -> Request:
     if rng is None or not rng[0] <= version <= rng[1]:
         raise UnsupportedRequest(f"api key {api_key} version {version} is not supported", api_key, version,
                                  correlation_id)
+    if api_key == API_PRODUCE and produce.FIRST <= version <= produce.LAST:  # the hot path: produce.py
+        fast = produce.decode_request(data, version)
+        if fast is not None:
+            return Request(api_key, version, correlation_id, fast[0], fast[1])
+    return decode_request_generic(data, api_key, version, correlation_id)
+
+
+def decode_request_generic(data: bytes, api_key: int, version: int, correlation_id: int) -> Request:
+    """``decode_request`` through kio, for every request (the size guard first)."""
     schema = request_schema(api_key, version)
     guard.check(schema, data)  # before kio: it allocates an array's claimed length up front
     try:
@@ -491,6 +500,14 @@ def response_schema(api_key: int, version: int) -> type:
 
 def encode_response(correlation_id: int, body: Any) -> bytes:
     """A whole response frame: size, the response header of the body's schema, body."""
+    fast = produce.encode_response(correlation_id, body)  # Produce v3-v12: produce.py; None for the rest
+    if fast is not None:
+        return fast
+    return encode_response_generic(correlation_id, body)
+
+
+def encode_response_generic(correlation_id: int, body: Any) -> bytes:
+    """``encode_response`` through kio's writer, for every entity."""
     header_cls = body.__header_schema__
     buf = io.BytesIO()
     entity_writer(header_cls)(buf, header_cls(correlation_id=correlation_id))
@@ -534,6 +551,7 @@ def _field_names(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 
+@functools.cache  # a handler asks on every request (Produce: twice per request)
 def nested(body_cls: type, name: str) -> type:
     """A nested entity class of the same schema module (e.g. ``PartitionData`` of Fetch v12)."""
     import sys
