@@ -533,8 +533,10 @@ async def backlog(target, size: int, count: int) -> Result:
 
 
 async def fixed_rate(target, size: int, rate: float, warmup: float, seconds: float,
-                     ack_walls: dict[int, float] | None = None) -> Result:
-    """Appends on a schedule; ``ack_walls`` (if given) gets position -> wall-clock acknowledgement time."""
+                     ack_walls: dict[int, float] | None = None, raw: dict | None = None) -> Result:
+    """Appends on a schedule; ``ack_walls`` (if given) gets position -> wall-clock acknowledgement time;
+    ``raw`` (if given) the sorted latencies in seconds: "submit" (ack - submit), "scheduled" (ack -
+    scheduled time), and "acks": (ack time - start of the measured interval, ack - submit) in order."""
     payload = os.urandom(size)
     meter = Meter(target)
     lat: list[float] = []
@@ -548,6 +550,8 @@ async def fixed_rate(target, size: int, rate: float, warmup: float, seconds: flo
     first_measured = int(rate * warmup)
     last_measured = total - 1
     last_ack = [0.0]
+    if raw is not None:
+        raw["acks"] = []
 
     def on_ack(fut: asyncio.Future, i: int, t: float, sched: float) -> None:
         nonlocal errors, pending
@@ -562,6 +566,8 @@ async def fixed_rate(target, size: int, rate: float, warmup: float, seconds: flo
             lat.append(now - t)
             late.append(now - sched)
             last_ack[0] = max(last_ack[0], now)
+            if raw is not None:
+                raw["acks"].append((now - meter.t0, now - t))
         if ack_walls is not None:
             ack_walls[target.position(fut.result())] = time.time()
 
@@ -590,6 +596,8 @@ async def fixed_rate(target, size: int, rate: float, warmup: float, seconds: flo
     r = meter.result(target.name, "rate", size, rate, lat, errors)
     late.sort()
     r.p99_vs_schedule_ms = percentile(late, 0.99) * 1e3
+    if raw is not None:
+        raw["submit"], raw["scheduled"] = lat, late
     return r
 
 
