@@ -51,6 +51,36 @@ GOAL_P99_MS = 15.0
 QS = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999), ("max", 1.0))
 
 
+def bookie_counters(ports: list[int]) -> dict[str, float]:
+    """The bookies' journal and flush figures from their /metrics, summed over the bookies."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith(("scroll_bookie_journal_fsync_seconds", "scroll_bookie_flush_seconds_",
+                                "scroll_bookie_journal_group_records_")):
+                key, _, v = line.rpartition(" ")
+                out[key] = out.get(key, 0.0) + float(v)
+    return out
+
+
+def journal_summary(c0: dict[str, float], c1: dict[str, float]) -> dict[str, float]:
+    d = {k: c1[k] - c0.get(k, 0.0) for k in c1}
+    groups = d.get("scroll_bookie_journal_fsync_seconds_count", 0.0)
+    out = {"groups": groups, "fsync_mean_ms": d.get("scroll_bookie_journal_fsync_seconds_sum", 0.0) / max(groups, 1) * 1e3,
+           "records_per_group": d.get("scroll_bookie_journal_group_records_sum", 0.0) / max(groups, 1),
+           "flushes": d.get("scroll_bookie_flush_seconds_count", 0.0),
+           "flush_s": d.get("scroll_bookie_flush_seconds_sum", 0.0)}
+    for k, v in d.items():  # groups slower than each bucket bound
+        if k.startswith("scroll_bookie_journal_fsync_seconds_bucket"):
+            le = k.split('le="')[1].split('"')[0]
+            if le != "+Inf" and float(le) >= 0.005:
+                out[f"fsync_over_{float(le) * 1e3:g}ms"] = groups - v
+    return out
+
+
 def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -79,6 +109,7 @@ class StandaloneTarget(ScrollTarget):
         self.procs = idle._tree(psutil.Process(self.proc.pid))
         self.names = {p.pid: idle._name(p) for p in self.procs}
         self.client = await connect(f"etcd://127.0.0.1:{self.ports['etcd']}")
+        self.bookie_metrics = [self.ports["metrics"] + 1 + i for i in range(3)]
 
     def describe(self) -> str:
         return ("scroll standalone (etcd, 3 bookies, Kafka listener, console, jobs), stream E=3 WQ=3 AQ=2"
@@ -119,6 +150,8 @@ class ReferenceTarget(ScrollTarget):
     def __init__(self, base: Path) -> None:
         super().__init__(base)
         self.name = "localcluster"
+        self.bookie_metrics = [e2e.free_port() for _ in range(3)]
+        self.cluster = e2e.LocalCluster(base / self.name, bookies=3, bookie_metrics_ports=self.bookie_metrics)
         self.snapshots: list[dict[str, float]] = []
 
     def server_cpu(self) -> float:
@@ -162,7 +195,7 @@ def _spy_finish(runs: list) -> dict[str, list[str]]:
     return tops
 
 
-async def run_case(target, args, base: Path, n: int) -> dict:
+async def run_case(target, args, base: Path, n: int, min_sleep: float) -> dict:
     await target.open(f"lat-{target.name}-{n}", 20_000)
     raw: dict = {}
     spy = None
@@ -173,12 +206,14 @@ async def run_case(target, args, base: Path, n: int) -> dict:
                     and p.is_running()] + [("client", os.getpid())]
             spy = _spy_start(pids, args.warmup + args.seconds, base / "profiles")
         load0 = os.getloadavg()
-        r = await fixed_rate(target, args.size, args.rate, args.warmup, args.seconds, raw=raw)
+        j0 = bookie_counters(target.bookie_metrics) if hasattr(target, "bookie_metrics") else None
+        r = await fixed_rate(target, args.size, args.rate, args.warmup, args.seconds, raw=raw, min_sleep=min_sleep)
         load1 = os.getloadavg()
+        j1 = bookie_counters(target.bookie_metrics) if j0 is not None else None
     finally:
         await target.close_stream()
     window = r.seconds
-    out = {"system": target.name, "rate": args.rate, "appends_per_s": r.appends_per_s, "acked": r.acked,
+    out = {"system": target.name + (" (spinning timer)" if min_sleep == 0 else ""), "rate": args.rate, "appends_per_s": r.appends_per_s, "acked": r.acked,
            "errors": r.errors, "window_s": window, "load_before": load0[0], "load_after": load1[0],
            "other_cores": r.other_cores}
     for key in ("submit", "scheduled"):
@@ -192,6 +227,8 @@ async def run_case(target, args, base: Path, n: int) -> dict:
         buckets.setdefault(int(at * 10), []).append(lat)
     worst = sorted(((max(v) * 1e3, k / 10, len(v)) for k, v in buckets.items()), reverse=True)[:8]
     out["worst_100ms"] = [{"at_s": at, "max_ms": m, "acks": c} for m, at, c in sorted(worst, key=lambda w: w[1])]
+    if j0 is not None:
+        out["journal"] = journal_summary(j0, j1)  # warm-up included
     slow = [at for at, lat in raw["acks"] if lat > GOAL_P99_MS / 1e3]
     out["acks_over_goal"] = len(slow)
     if spy is not None:
@@ -213,6 +250,9 @@ def _print(r: dict) -> None:
     if cpu:
         print("  CPU, % of a core: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
               + f"; total {sum(cpu.values()):.1f}")
+    if r.get("journal"):
+        print("  bookies' journals (3 bookies, warm-up included): " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) and v % 1 else f"{k} {v:g}" for k, v in r["journal"].items()))
     for name, lines in (r.get("profile") or {}).items():
         print(f"  py-spy {name}:")
         for line in lines:
@@ -227,9 +267,11 @@ async def amain(args) -> int:
     n = 0
     extra = args.standalone_args.split() if args.standalone_args else []
 
-    async def one(kind: str) -> None:
+    async def one(case: str) -> None:
         nonlocal n
         n += 1
+        kind, _, how = case.partition(":")
+        min_sleep = 0.0 if how == "spin" else args.timer_min_ms / 1e3
         sub = base / f"{kind}-{n}"
         target = (StandaloneTarget(sub, extra) if kind == "standalone" else
                   ReferenceTarget(sub) if kind == "localcluster" else
@@ -238,7 +280,7 @@ async def amain(args) -> int:
             await target.start()
             if kind == "standalone" and args.settle:
                 await asyncio.sleep(args.settle)
-            r = await run_case(target, args, base, n)
+            r = await run_case(target, args, base, n, min_sleep)
         finally:
             await target.stop()
         r["round"] = n
@@ -248,9 +290,9 @@ async def amain(args) -> int:
 
     try:
         for rnd in range(args.rounds):
-            order = ["standalone", "localcluster"]
+            order = args.cases.split(",")
             if args.no_reference:
-                order = ["standalone"]
+                order = [c for c in order if not c.startswith("localcluster")]
             for kind in order if rnd % 2 == 0 else order[::-1]:
                 await one(kind)
         if args.nats:
@@ -271,6 +313,10 @@ async def amain(args) -> int:
             print(f"  {sysname:13s} p50 {r['submit']['p50']:6.2f}  p99 {r['submit']['p99']:6.2f}  p99.9 "
                   f"{r['submit']['p99.9']:6.2f}  max {r['submit']['max']:7.2f}  p99 vs schedule "
                   f"{r['scheduled']['p99']:6.2f}  {r['appends_per_s']:,.0f}/s  load {r['load_before']:.2f}")
+    spin = by.get("standalone (spinning timer)", [])
+    for a, b in zip(by.get("standalone", []), spin):
+        print(f"  ratio standalone, 1 ms timer / spinning timer: p50 {a['submit']['p50'] / b['submit']['p50']:.2f}  "
+              f"p99 {a['submit']['p99'] / b['submit']['p99']:.2f}")
     for a, b in zip(by.get("standalone", []), by.get("localcluster", [])):
         print(f"  ratio p50 {a['submit']['p50'] / b['submit']['p50']:.2f}  p99 "
               f"{a['submit']['p99'] / b['submit']['p99']:.2f}  p99.9 {a['submit']['p99.9'] / b['submit']['p99.9']:.2f}")
@@ -295,6 +341,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="warm-up seconds per case (not measured)")
     ap.add_argument("--rate", type=float, default=5000.0, help="appends/s")
     ap.add_argument("--size", type=int, default=1024, help="payload bytes")
+    ap.add_argument("--timer-min-ms", type=float, default=e2e.TIMER_MIN_S * 1e3,
+                    help="the timer's shortest sleep (0: the loop spins between records, as before)")
+    ap.add_argument("--cases", default="standalone,localcluster",
+                    help="the cases of a round, in order (reversed every other round): standalone, "
+                    "localcluster, either with ':spin' (bench/e2e.py's timer before it slept >= 1 ms)")
     ap.add_argument("--rounds", type=int, default=1, help="standalone + reference pairs, alternating the order")
     ap.add_argument("--settle", type=float, default=0.0, help="seconds to wait after standalone is ready")
     ap.add_argument("--no-reference", action="store_true", help="standalone only")
