@@ -179,9 +179,10 @@ def _top_frames(path: Path, n: int = 6) -> list[str]:
     return out
 
 
-def start_standalone(data: Path, extra: list[str] | None = None, timeout_s: float = 180.0):
-    """Start the real ``scroll standalone`` on ``data`` with free ports of its own (127.0.0.1) and
-    wait for its ready line: (the Popen, its ports by option name, the open log file)."""
+def start_standalone(data: Path, extra: list[str] | None = None, timeout_s: float = 180.0, root: Path = ROOT):
+    """Start the real ``scroll standalone`` (the code of the checkout ``root``) on ``data`` with free
+    ports of its own (127.0.0.1) and wait for its ready line: (the Popen, its ports by option name,
+    the open log file)."""
     kafka, etcd, peer = (_free_block(1) for _ in range(3))
     bookie, metrics, objstore = _free_block(3), _free_block(5), _free_block(8)
     console = _free_block(1)
@@ -191,9 +192,9 @@ def start_standalone(data: Path, extra: list[str] | None = None, timeout_s: floa
            "--kafka-port", str(kafka), "--etcd-port", str(etcd), "--etcd-peer-port", str(peer),
            "--bookie-port", str(bookie), "--metrics-port", str(metrics), "--object-store-port", str(objstore),
            "--console-port", str(console), "--default-partitions", "1", *(extra or [])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = open(data / "standalone.out", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s

@@ -90,8 +90,11 @@ class StandaloneTarget(ScrollTarget):
 
     name = "standalone"
 
-    def __init__(self, base: Path, extra: list[str]) -> None:
+    def __init__(self, base: Path, extra: list[str], root: Path = idle.ROOT) -> None:
         self.tls = False
+        self.root = root
+        if root != idle.ROOT:
+            self.name = f"standalone of {root}"
         self.dir = base / "standalone"
         self.dir.mkdir(parents=True)
         self.extra = extra
@@ -105,7 +108,7 @@ class StandaloneTarget(ScrollTarget):
 
     async def start(self) -> None:
         self.proc, self.ports, self.log = await asyncio.get_running_loop().run_in_executor(
-            None, idle.start_standalone, self.dir, self.extra)
+            None, idle.start_standalone, self.dir, self.extra, 180.0, self.root)
         self.procs = idle._tree(psutil.Process(self.proc.pid))
         self.names = {p.pid: idle._name(p) for p in self.procs}
         self.client = await connect(f"etcd://127.0.0.1:{self.ports['etcd']}")
@@ -147,11 +150,12 @@ class ReferenceTarget(ScrollTarget):
 
     name = "localcluster"
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, sets: list[str] | None = None) -> None:
         super().__init__(base)
-        self.name = "localcluster"
+        self.name = "localcluster" + "".join(f" --set {x}" for x in sets or [])
         self.bookie_metrics = [e2e.free_port() for _ in range(3)]
-        self.cluster = e2e.LocalCluster(base / self.name, bookies=3, bookie_metrics_ports=self.bookie_metrics)
+        self.cluster = e2e.LocalCluster(base / "localcluster", bookies=3, bookie_metrics_ports=self.bookie_metrics,
+                                        bookie_args=[a for x in sets or [] for a in ("--set", x)])
         self.snapshots: list[dict[str, float]] = []
 
     def server_cpu(self) -> float:
@@ -196,7 +200,7 @@ def _spy_finish(runs: list) -> dict[str, list[str]]:
 
 
 async def run_case(target, args, base: Path, n: int, min_sleep: float) -> dict:
-    await target.open(f"lat-{target.name}-{n}", 20_000)
+    await target.open(f"lat-{n}", 20_000)
     raw: dict = {}
     spy = None
     try:
@@ -272,9 +276,11 @@ async def amain(args) -> int:
         n += 1
         kind, _, how = case.partition(":")
         min_sleep = 0.0 if how == "spin" else args.timer_min_ms / 1e3
+        sets = [how[4:]] if how.startswith("set=") else []
+        root = Path(how[5:]) if how.startswith("root=") else idle.ROOT
         sub = base / f"{kind}-{n}"
-        target = (StandaloneTarget(sub, extra) if kind == "standalone" else
-                  ReferenceTarget(sub) if kind == "localcluster" else
+        target = (StandaloneTarget(sub, extra, root) if kind == "standalone" else
+                  ReferenceTarget(sub, sets) if kind == "localcluster" else
                   NatsTarget(sub, find_nats_server(None), "always"))
         try:
             await target.start()
@@ -313,6 +319,13 @@ async def amain(args) -> int:
             print(f"  {sysname:13s} p50 {r['submit']['p50']:6.2f}  p99 {r['submit']['p99']:6.2f}  p99.9 "
                   f"{r['submit']['p99.9']:6.2f}  max {r['submit']['max']:7.2f}  p99 vs schedule "
                   f"{r['scheduled']['p99']:6.2f}  {r['appends_per_s']:,.0f}/s  load {r['load_before']:.2f}")
+    for other in [k for k in by if k.startswith("standalone of ")]:
+        for a, b in zip(by.get("standalone", []), by[other]):
+            print(f"  ratio standalone (this tree) / {other}: p50 {a['submit']['p50'] / b['submit']['p50']:.2f}  "
+                  f"p99 {a['submit']['p99'] / b['submit']['p99']:.2f}  p99.9 "
+                  f"{a['submit']['p99.9'] / b['submit']['p99.9']:.2f}  standalone process CPU "
+                  f"{a['cpu_percent_of_a_core'].get('standalone', 0):.1f} / "
+                  f"{b['cpu_percent_of_a_core'].get('standalone', 0):.1f} % of a core")
     spin = by.get("standalone (spinning timer)", [])
     for a, b in zip(by.get("standalone", []), spin):
         print(f"  ratio standalone, 1 ms timer / spinning timer: p50 {a['submit']['p50'] / b['submit']['p50']:.2f}  "
@@ -345,7 +358,9 @@ def main() -> int:
                     help="the timer's shortest sleep (0: the loop spins between records, as before)")
     ap.add_argument("--cases", default="standalone,localcluster",
                     help="the cases of a round, in order (reversed every other round): standalone, "
-                    "localcluster, either with ':spin' (bench/e2e.py's timer before it slept >= 1 ms)")
+                    "localcluster, either with ':spin' (bench/e2e.py's timer before it slept >= 1 ms); "
+                    "localcluster:set=KEY=VALUE (a bookie config override, e.g. journal_preallocate=fallocate), "
+                    "standalone:root=PATH (the standalone tree of another checkout, e.g. /work/main: before/after)")
     ap.add_argument("--rounds", type=int, default=1, help="standalone + reference pairs, alternating the order")
     ap.add_argument("--settle", type=float, default=0.0, help="seconds to wait after standalone is ready")
     ap.add_argument("--no-reference", action="store_true", help="standalone only")
