@@ -14,8 +14,8 @@ best case). Every case uses a fresh stream and the same workloads for both syste
 * backlog: after each full-speed case, a fresh consumer reads everything that case wrote from the
   start (Scroll: ``Consumer.read``; JetStream: a pull consumer without acks, ``fetch`` of 10,000).
   Counted: appends acknowledged inside the measured interval; latency = acknowledgement - submit.
-* fixed rate: appends scheduled at each of ``--rates`` (default 5,000/s; a timer; when late it sends
-  what is due, never ahead of the schedule), latency = acknowledgement - submit (the JSON also has
+* fixed rate: appends scheduled at each of ``--rates`` (default 5,000/s; a timer that sleeps >= 1 ms;
+  when late it sends what is due, never ahead of the schedule), latency = acknowledgement - submit (the JSON also has
   ack - scheduled time); appends/s is below the rate when acknowledgements fall behind the schedule.
 * tail: the fixed-rate workload plus a consumer tailing the stream in a separate process (Scroll:
   ``Consumer.read`` with its long-poll LAC read; JetStream: an ordered push consumer). The producer

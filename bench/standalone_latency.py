@@ -12,8 +12,15 @@ bookies, bench/e2e.py's Scroll target) as the same-run reference. Rounds alterna
 
 Printed per case: p50/p90/p99/p99.9/max of ack - submit and of ack - scheduled (ms), appends/s,
 the CPU of every process of the tree during the measured window (% of one core; the client is this
-process), the worst 100 ms windows of the measured interval (when the tail happened); then the
-ratios standalone / reference.
+process), the bookies' journal figures from their /metrics (group commits, fsyncs slower than
+5/10/25/... ms, write-cache flushes; warm-up included), the worst 100 ms windows of the measured
+interval (when the tail happened); then the ratios standalone / reference.
+
+``--cases`` sets a round's cases: ``standalone``, ``localcluster``, ``standalone:spin`` (the timer
+as bench/e2e.py had it before issue 26: it spun between records), ``standalone:root=PATH`` (the
+standalone tree of another checkout, e.g. ``/work/main``, for before/after in the same run) and
+``localcluster:set=KEY=VALUE`` (a bookie config override). Figures: docs/benchmarks.md, "Append
+latency under scroll standalone".
 
 ``--profile`` records every Python process of the tree and this client with py-spy (``--nonblocking``,
 raw) during the standalone case's window and prints the top frames of each (it costs CPU: compare
