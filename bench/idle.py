@@ -85,6 +85,8 @@ def _name(p: psutil.Process) -> str:
             m = re.search(r"bookie-(\d+)", " ".join(cmd))
             return f"bookie-{m.group(1)}" if m else "bookie"
         return {"kafka": "kafka listener"}.get(sub, sub)
+    if "compat_kafka.console" in cmd:
+        return "console"
     if exe == "etcd":
         return "etcd"
     if "weed" in exe:
@@ -177,24 +179,54 @@ def _top_frames(path: Path, n: int = 6) -> list[str]:
     return out
 
 
-def run_case(partitions: int, topics: int, settle: float, window: float, profile: float, keep: bool) -> dict:
-    data = Path(tempfile.mkdtemp(prefix=f"idle-{partitions}-"))
+def start_standalone(data: Path, extra: list[str] | None = None, timeout_s: float = 180.0, root: Path = ROOT):
+    """Start the real ``scroll standalone`` (the code of the checkout ``root``) on ``data`` with free
+    ports of its own (127.0.0.1) and wait for its ready line: (the Popen, its ports by option name,
+    the open log file)."""
     kafka, etcd, peer = (_free_block(1) for _ in range(3))
     bookie, metrics, objstore = _free_block(3), _free_block(5), _free_block(8)
+    console = _free_block(1)
+    ports = {"kafka": kafka, "etcd": etcd, "etcd-peer": peer, "bookie": bookie, "metrics": metrics,
+             "object-store": objstore, "console": console}
     cmd = [sys.executable, "-m", "streams.tools.cli", "standalone", "--data-dir", str(data),
            "--kafka-port", str(kafka), "--etcd-port", str(etcd), "--etcd-peer-port", str(peer),
            "--bookie-port", str(bookie), "--metrics-port", str(metrics), "--object-store-port", str(objstore),
-           "--default-partitions", "1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "--console-port", str(console), "--default-partitions", "1", *(extra or [])]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = open(data / "standalone.out", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + timeout_s
         while "scroll standalone ready" not in (data / "standalone.out").read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("standalone did not start:\n" + (data / "standalone.out").read_text()[-3000:])
             time.sleep(0.5)
+    except BaseException:
+        stop_standalone(proc, log)
+        raise
+    return proc, ports, log
+
+
+def stop_standalone(proc: subprocess.Popen, log) -> None:
+    """SIGINT (standalone stops its children itself), SIGKILL to the group after 120 s."""
+    try:
+        proc.send_signal(signal.SIGINT)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
+def run_case(partitions: int, topics: int, settle: float, window: float, profile: float, keep: bool) -> dict:
+    data = Path(tempfile.mkdtemp(prefix=f"idle-{partitions}-"))
+    proc, ports, log = start_standalone(data)
+    kafka, etcd = ports["kafka"], ports["etcd"]
+    try:
         made = _produce(kafka, max(1, topics), partitions) if partitions else 0.0
         print(f"[{partitions} partitions] created and written in {made:.1f} s; settling {settle:g} s", flush=True)
         time.sleep(settle)
@@ -223,16 +255,7 @@ def run_case(partitions: int, topics: int, settle: float, window: float, profile
             out["profile"] = _profile(pyprocs, profile, pdir)
         return out
     finally:
-        try:
-            proc.send_signal(signal.SIGINT)  # standalone stops its children itself
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        stop_standalone(proc, log)
         if not keep:
             shutil.rmtree(data, ignore_errors=True)
 

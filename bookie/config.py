@@ -46,6 +46,7 @@ class BookieConfig:
     journal_inline_sync_bytes: int = 64 * KiB  # groups up to this size sync on the event loop (0: always the writer thread)
     journal_file_bytes: int = 64 * MiB
     journal_preallocate: str = "zero"  # "zero" (fill with zeros), "fallocate" or "none"
+    journal_spare_sync_bytes: int = 1 * MiB  # a spare's zero fill fdatasyncs every this many bytes (0: once, at the end)
     journal_retry_interval_s: float = 1.0  # retry a failed journal write this often
 
     # --- write cache, flush, entry logs ---
@@ -90,8 +91,8 @@ class BookieConfig:
             "scrub_bytes_per_s",
         ):
             _positive(name, getattr(self, name))
-        for name in ("journal_group_wait_s", "min_free_bytes", "journal_inline_sync_bytes", "scrub_interval_s",
-                     "scrub_first_delay_s"):
+        for name in ("journal_group_wait_s", "min_free_bytes", "journal_inline_sync_bytes", "journal_spare_sync_bytes",
+                     "scrub_interval_s", "scrub_first_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("long_poll_max_s", "flush_interval_s", "gc_interval_s", "disk_check_interval_s",

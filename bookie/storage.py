@@ -143,6 +143,7 @@ class Engine:
             group_bytes_max=config.journal_group_bytes_max,
             max_record_bytes=config.max_journal_record_bytes,
             preallocate=config.journal_preallocate,
+            spare_sync_bytes=config.journal_spare_sync_bytes,
         )
         self.index: Index | None = None
         self.flusher: Flusher | None = None

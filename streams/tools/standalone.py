@@ -482,6 +482,21 @@ class Standalone:
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
+    @staticmethod
+    def warm_jobs() -> None:
+        """Import what the first retention, compaction and offload runs import (the retention floors'
+        entry points: compat_kafka's group coordinator pulls in kio's schemas and hypothesis, ~0.5 s of
+        CPU), before the ready line: else that runs 10 s after start, in the middle of the first
+        traffic (issue 26: a CPU burst on a 2-core box, in append p99; docs/benchmarks.md)."""
+        try:
+            from .compaction import run_compaction  # noqa: F401
+            from .retention import load_floors
+            from .tier import run_tier  # noqa: F401
+
+            load_floors()
+        except Exception as exc:  # noqa: BLE001 - the runs themselves report what fails
+            log.debug("warming the jobs' imports: %s", exc)
+
     # ---------------------------------------------------------------- metrics
     def start_metrics(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -972,6 +987,7 @@ def run(config: StandaloneConfig) -> None:
     try:
         sa.start()
         sa.start_metrics()
+        sa.warm_jobs()
     except KeyboardInterrupt:
         sa.stop()
         click.echo("stopped")
