@@ -83,6 +83,7 @@ class Console:
         def wrap(fn):
             async def handler(request: Request) -> Response:
                 s = self.session(request)
+                self.sampler.touch()  # someone looks: the graphs sample every interval again
                 if s is None:
                     return RedirectResponse(f"/login?next={request.url.path}", status_code=303)
                 try:
@@ -145,6 +146,7 @@ class Console:
         name = request.path_params["name"]
         d = await self.data.stream(name) if self.may(request, s, TOPIC, _topic_of(name), Operation.DESCRIBE) \
             else _deny(f"DESCRIBE on topic {_topic_of(name)}")
+        self.sampler.watch(name)  # its bytes are sampled from now on, for the graph
         return self.render(request, "stream.html", s, d=d, rate_series=f"stream_bytes:{name}")
 
     async def records(self, request: Request, s: Session) -> Response:
@@ -272,6 +274,8 @@ class Console:
             if name.startswith("stream_bytes:") and not self.may(request, s, TOPIC, _topic_of(name[13:]),
                                                                  Operation.DESCRIBE):
                 continue
+            if name.startswith("stream_bytes:"):
+                self.sampler.watch(name[13:])  # a page left open keeps its stream sampled
             times, values = ring.rate(name) if kind == "rate" else ring.get(name)
             out[spec] = {"t": times, "v": values}
         return JSONResponse(out)
@@ -364,6 +368,8 @@ def _bookie_metrics(samples: list) -> dict:
 
 def build_app(data: ConsoleData, auth: Auth, sampler: Sampler, *, scheme: str = "http") -> Starlette:
     c = Console(data, auth, sampler, scheme=scheme)
+    if sampler.stream_bytes is None:
+        sampler.stream_bytes = data.stream_bytes
     cluster = lambda self, req, s: self.auth.cluster(s, self.host(req))  # noqa: E731
 
     @contextlib.asynccontextmanager

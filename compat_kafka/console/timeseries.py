@@ -9,23 +9,30 @@ many), so its memory is bounded whatever the cluster holds. Rates are computed w
 drawn (``rate``); a counter that went down (a process restarted) counts from zero again.
 The sampler also notes when the jobs' run counters of standalone last moved (``jobs``).
 
-Cost. standalone's /metrics has one ``scroll_stream_bytes`` series per stream (2,000 with 2,000
-partitions): rendering and parsing that every 10 s was most of an idle console's CPU. So standalone
-is scraped whole only every ``full_every`` samples (60 s); in between it is asked for the job
-counters alone (prometheus_client's ``?name[]=`` filter: the per-stream gauge is not even
-collected), and the streams' last values are carried forward.
+Cost: nothing grows with the streams. standalone's /metrics has one ``scroll_stream_bytes`` series
+per stream (2,000 with 2,000 partitions): rendering and parsing that page was most of an idle
+console's CPU and half of an idle standalone's. So standalone is only ever asked for the job
+counters (prometheus_client's ``?name[]=`` filter: the per-stream gauge is not even collected).
+A stream's bytes (the stream page's graph) are read where they are kept, the stream's fragment
+records in the metadata store (``stream_bytes``, the same sum as the gauge's), for the streams whose
+page was shown in the last ``watch_s`` (an hour: the ring's span) only, at most ``MAX_WATCHED``:
+the graph starts at the first sample after the page was first opened.
+While no page was asked for in ``idle_after_s`` (10 min), the sampler samples every
+``idle_interval_s`` (60 s) instead of ``interval_s``; the next page request wakes it at once (a
+sample right away, then every ``interval_s``). The graphs only ever hold real samples: an idle
+stretch shows as points 60 s apart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import math
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
@@ -103,23 +110,52 @@ def _fetch(url: str, timeout_s: float) -> str:
         return r.read(8 << 20).decode("utf-8", "replace")
 
 
+MAX_WATCHED = 64  # streams whose bytes are sampled (the most recently shown pages)
+
+
 class Sampler:
-    def __init__(self, sources: dict[str, str], ring: Ring | None = None, interval_s: float = 10.0,
-                 full_every: int = 6):
+    def __init__(self, sources: dict[str, str], ring: Ring | None = None, interval_s: float = 10.0, *,
+                 idle_interval_s: float = 60.0, idle_after_s: float = 600.0, watch_s: float = 3600.0,
+                 stream_bytes: Callable[[list[str]], Awaitable[dict[str, int]]] | None = None):
         self.sources = dict(sources)
-        self.full_every = max(1, full_every)
-        self._carried: dict[str, float] = {}  # stream_bytes:* of standalone's last full scrape
         self.ring = ring or Ring()
         self.interval_s = interval_s
+        self.idle_interval_s = max(interval_s, idle_interval_s)
+        self.idle_after_s = idle_after_s
+        self.watch_s = watch_s
+        self.stream_bytes = stream_bytes  # names -> bytes of their fragments (from the metadata store)
+        self.watched: dict[str, float] = {}  # stream -> when its page (or graph) was last asked for
+        self.last_view = -math.inf  # monotonic time of the last page request
+        self._wake = asyncio.Event()
         self.up: dict[str, bool] = {}  # source -> answered the last scrape
         self.last: dict[str, list] = {}  # source -> its last samples (the bookies page reads them)
         self.jobs: dict[str, dict] = {}  # job -> {"ok": n, "failed": n, "last_run": t, "last_outcome": ...}
         self.samples_taken = 0
 
+    def touch(self) -> None:
+        """A page was asked for: sample every ``interval_s`` again (and now, if it was idle)."""
+        idle = self.idle
+        self.last_view = time.monotonic()
+        if idle:
+            self._wake.set()
+
+    def watch(self, stream: str) -> None:
+        """Sample this stream's bytes from now on (for ``watch_s`` after it was last asked for)."""
+        self.watched.pop(stream, None)
+        self.watched[stream] = time.monotonic()
+        while len(self.watched) > MAX_WATCHED:
+            del self.watched[next(iter(self.watched))]
+
+    @property
+    def idle(self) -> bool:
+        return time.monotonic() - self.last_view >= self.idle_after_s
+
+    def next_interval(self) -> float:
+        return self.idle_interval_s if self.idle else self.interval_s
+
     async def sample_once(self) -> None:
         now = time.time()
-        full = self.samples_taken % self.full_every == 0
-        results = await asyncio.gather(*(asyncio.to_thread(_fetch, self._url(name, url, full), 2.0)
+        results = await asyncio.gather(*(asyncio.to_thread(_fetch, self._url(name, url), 2.0)
                                          for name, url in self.sources.items()), return_exceptions=True)
         values: dict[str, float] = {k: 0.0 for k in COUNTERS}
         for (name, _url), res in zip(self.sources.items(), results):
@@ -133,19 +169,29 @@ class Sampler:
             except Exception as exc:  # noqa: BLE001 - one bad endpoint does not stop the others
                 log.warning("console: cannot parse the metrics of %s: %s", name, exc)
                 continue
-            if name == "standalone" and not full:
-                values.update(self._carried)
-            else:
-                self.last[name] = samples
+            self.last[name] = samples
             self._collect(name, samples, values, now)
-            if name == "standalone" and full:
-                self._carried = {k: v for k, v in values.items() if k.startswith("stream_bytes:")}
+        await self._stream_values(values)
         self.ring.add(now, values)
         self.samples_taken += 1
 
+    async def _stream_values(self, values: dict[str, float]) -> None:
+        cutoff = time.monotonic() - self.watch_s
+        for name in [n for n, t in self.watched.items() if t < cutoff]:
+            del self.watched[name]
+        if not self.watched or self.stream_bytes is None:
+            return
+        try:
+            got = await self.stream_bytes(list(self.watched))
+        except Exception as exc:  # noqa: BLE001 - the other graphs still get their sample
+            log.warning("console: cannot read the streams' bytes: %s", exc)
+            return
+        for name, v in got.items():
+            values[f"stream_bytes:{name}"] = float(v)
+
     @staticmethod
-    def _url(name: str, url: str, full: bool) -> str:
-        if name != "standalone" or full:
+    def _url(name: str, url: str) -> str:
+        if name != "standalone":
             return url
         query = urllib.parse.urlencode([("name[]", m) for m in JOBS.values()])
         return url + ("&" if "?" in url else "?") + query
@@ -157,8 +203,6 @@ class Sampler:
                     values[series] += v
             if metric == "scroll_kafka_group_lag_sum" and "group" in labels:
                 values[f"lag:{labels['group']}"] = v
-            elif metric == "scroll_stream_bytes" and "stream" in labels:
-                values[f"stream_bytes:{labels['stream']}"] = v
             elif metric == "scroll_bookie_write_cache_bytes":
                 values[f"bookie_cache:{source}"] = v
         for job, metric in JOBS.items():
@@ -173,13 +217,16 @@ class Sampler:
                 j[outcome] = n
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        while stop is None or not stop.is_set():
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            self._wake.clear()
             try:
                 await self.sample_once()
             except Exception as exc:  # noqa: BLE001 - the console keeps serving without graphs
                 log.warning("console: sampling failed: %s", exc)
-            if stop is None:
-                await asyncio.sleep(self.interval_s)
-            else:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.interval_s)
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+            try:
+                await asyncio.wait(waits, timeout=self.next_interval(), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()

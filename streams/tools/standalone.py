@@ -84,6 +84,11 @@ class StandaloneConfig:
     # host, children restarted by standalone: longer than a cluster's (5 s, 10 s) for fewer wake-ups
     registration_ttl_s: float = 30.0
     autorecovery_lease_ttl_s: float = 30.0
+    # etcd's raft tick for its single member (--heartbeat-interval; --election-timeout 5x, the least
+    # etcd allows). etcd's 100 ms default is for members that must notice a dead leader quickly; one
+    # member has no peer, but every tick wakes it: 500 ms about halves an idle etcd's CPU. Leases
+    # shorter than 1.5 election timeouts (3.75 s) are granted that long (docs/operations.md)
+    etcd_heartbeat_ms: int = 500
     console: bool = True  # the web console (compat_kafka/console/) as a child process
     console_port: int = 9400
 
@@ -217,7 +222,9 @@ class Standalone:
         self.cluster = LocalCluster(self.dir, bookies=config.bookies, etcd_port=config.etcd_port,
                                     etcd_peer_port=config.etcd_peer_port, bookie_ports=config.bookie_ports,
                                     bookie_metrics_ports=config.bookie_metrics_ports, etcd_password=password,
-                                    bookie_args=["--registration-ttl", f"{config.registration_ttl_s:g}"], **extra)
+                                    bookie_args=["--registration-ttl", f"{config.registration_ttl_s:g}"],
+                                    etcd_args=["--heartbeat-interval", str(config.etcd_heartbeat_ms),
+                                               "--election-timeout", str(5 * config.etcd_heartbeat_ms)], **extra)
         self.kafka: Proc | None = None
         self.console: Proc | None = None
         self.seaweed = self._seaweed() if config.object_store else None

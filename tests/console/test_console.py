@@ -5,9 +5,11 @@ shows a record kcat wrote, a group's lag rises and falls, bad input gets a clear
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 import urllib.parse
+import urllib.request
 
 import pytest
 from selenium.webdriver.common.by import By
@@ -64,11 +66,11 @@ def test_stream_page_draws_the_fragment_chain_with_its_bookies(console, console_
                     for i in range(5):
                         await p.append(f"record {writer}-{i}".encode())
             info = await c.describe_stream("chain-demo")
-            return [(f.index, set(f.ensemble)) for f in info.fragments]
+            return [(f.index, set(f.ensemble)) for f in info.fragments], sum(f.size_bytes or 0 for f in info.fragments)
         finally:
             await c.close()
 
-    frags = run(write())
+    frags, sealed_bytes = run(write())
     browser.get(console.url + "/streams/chain-demo")
     for index, ensemble in frags:
         box = browser.find_element(By.ID, f"frag-{index}")
@@ -76,6 +78,16 @@ def test_stream_page_draws_the_fragment_chain_with_its_bookies(console, console_
         assert shown == ensemble
     assert len(frags) >= 2 and "10 records" in text(browser, "main")
     assert "take-over" in text(browser, "#history")
+    # its bytes graph: sampled from the stream's fragment records once its page was shown (the
+    # console never reads standalone's per-stream gauge; this cluster has no standalone at all)
+    assert sealed_bytes > 0
+
+    def sampled():
+        with urllib.request.urlopen(console.url + "/api/series?s=value:stream_bytes:chain-demo", timeout=5) as r:
+            values = [v for v in json.load(r)["value:stream_bytes:chain-demo"]["v"] if v is not None]
+        return values and values[-1] == sealed_bytes
+
+    wait_for(sampled, 20, "the stream's bytes sampled")
     screenshot(browser, "stream")
 
 
