@@ -259,7 +259,7 @@ class Producer:
         self._pump()
         return base, fut
 
-    def append_records(self, records: list) -> tuple[int, list[asyncio.Future]]:
+    def append_records(self, records: list, ends: list[int] | None = None) -> tuple[int, list[asyncio.Future]]:
         """Queue the records of a plain record batch built elsewhere into the open batch, as
         ``append_many`` does, so that small batches (a Kafka producer with a short linger sends one
         per partition per request) share one entry instead of paying an entry each. Every record
@@ -270,7 +270,9 @@ class Producer:
         (timestamp_ms, key, value, headers) of each, decoded by the caller (``records_of_batch``) so
         that a damaged batch is refused before any of it is queued. Returns (the offset of its first
         record, the futures of the batches now holding its records: each resolves to that batch's
-        base offset once acknowledged)."""
+        base offset once acknowledged). ``ends``: if given, the end offset of each batch sealed here
+        (all futures but the last) is appended to it: once such a future resolves, every offset below
+        its end is acknowledged, although these records' own last batch may still be in flight."""
         if self._failure is not None:
             raise self._failure
         # the open batch is the next one sealed (append_batch seals it first): its base is next_offset
@@ -283,6 +285,8 @@ class Producer:
                 b.count = i
                 futs.append(self._open_fut)
                 self._seal()
+                if ends is not None:
+                    ends.append(self.next_offset)
                 self._pump()
                 b = self._new_batch()
                 app, i = b.raw_append, 0

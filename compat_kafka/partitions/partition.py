@@ -20,8 +20,11 @@ offsets of its own:
   no entry is in flight, else when one is acknowledged; so under load the small batches of a Kafka
   producer with a short linger share entries instead of paying a bookie entry each. Their records
   keep offsets, keys, values, headers and timestamps; only the batch boundaries differ. The high
-  watermark is the end offset of the last acknowledged batch (the producer's futures resolve in
-  offset order, so it is exact without asking a bookie). When a fetch or ListOffsets finds the
+  watermark is the end offset of the last acknowledged entry (the producer's futures resolve in
+  offset order, so it is exact without asking a bookie). A fetch serves entries whole, so it must
+  never lie inside one: when a Kafka batch's records are split over two merged entries, the first
+  entry's acknowledgement moves it to that entry's end, not only the batch's last one's (else a
+  tailing consumer got records past the high watermark and its next fetch was out of range). When a fetch or ListOffsets finds the
   partition caught up, one LAC read tells whether another writer has taken the stream over since
   (the bookies answer with their term); if so the writer is dropped and the partition is served
   read-only again, so records written elsewhere become visible without a Kafka produce failing
@@ -364,9 +367,15 @@ class PartitionLog:
                     if not p.has_space():
                         await p.wait_for_space()
                     if recs is not None:
-                        base, futs = p.append_records(recs)
+                        ends: list[int] = []
+                        base, futs = p.append_records(recs, ends)
                         queued += 1
                         first = base if first is None else first
+                        # records split over entries: each entry acknowledged moves the high watermark
+                        # to its end (a fetch serves entries whole, so the high watermark is always an
+                        # entry's end: never inside one a consumer has been given)
+                        for f, end in zip(futs, ends):  # all but the last
+                            f.add_done_callback(self._entry_acked_callback(end))
                         futs[-1].add_done_callback(self._acked_callback(base, b))  # its last record's batch
                         futures.extend(futs)
                         continue
@@ -432,6 +441,17 @@ class PartitionLog:
                 pending[b.producer_id] = (b.producer_epoch, b.last_sequence)
             out.append(dup)
         return out
+
+    def _entry_acked_callback(self, end: int):
+        """A merged entry holding the first records of a batch whose last ones went into a later
+        entry: acknowledged, every offset below ``end`` is (a failure is the last entry's to report)."""
+
+        def done(fut: asyncio.Future) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                self.high_watermark = max(self.high_watermark, end)
+                self.on_append()
+
+        return done
 
     def _acked_callback(self, base: int, batch: Batch):
         count = batch.offset_count
@@ -543,8 +563,14 @@ class PartitionLog:
 
     # ---------------------------------------------------------------- reads
     def check_offset(self, offset: int) -> None:
-        if offset < self.log_start or offset > self.high_watermark:
-            raise OffsetOutOfRange(f"offset {offset} outside {self.log_start}..{self.high_watermark} of "
+        """Out of range below the log start or past the log end, as in Kafka: the log end is the next
+        offset the writer assigns (records queued but not acknowledged yet are below it, and a fetch
+        there answers nothing until the high watermark passes it), read-only the high watermark."""
+        end = self.high_watermark
+        if self.producer is not None and self.usable:
+            end = max(end, self.producer.next_offset)
+        if offset < self.log_start or offset > end:
+            raise OffsetOutOfRange(f"offset {offset} outside {self.log_start}..{end} of "
                                    f"{self.topic} partition {self.partition}")
 
     async def follow(self) -> None:

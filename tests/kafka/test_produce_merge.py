@@ -118,3 +118,44 @@ def test_merged_batches_stay_within_a_consumers_fetch_size(shim, topic):
     assert 3 <= entries < len(small), entries  # merged (not one entry each), but not all into one
     got = _read(shim.bootstrap, topic, 1 + 48 * 15)
     assert [o for o, *_ in got] == list(range(1 + 48 * 15)) and all(v == value for _o, _k, v, _h, _t in got[1:])
+
+
+def test_the_high_watermark_is_an_entry_end_when_a_batch_is_split_over_two_entries(shim, topic):
+    """A fetch serves stored entries whole, so the high watermark must never lie inside one. When the
+    listener's open merged batch fills in the middle of a Kafka batch, that batch's first records go
+    out in one entry and the rest in the next. The first entry's acknowledgement must move the high
+    watermark to that entry's end: it used to move only to the end of the last batch wholly inside
+    it, so a tailing consumer was given records past the high watermark, its next fetch was "out of
+    range" and it reset to the end, skipping records (seen in bench/kafka.py's paced phases)."""
+    import asyncio
+
+    from compat_kafka.partitions.partition import MERGED_BATCH_BYTES
+    from compat_kafka.wire.batches import split_batches
+
+    _create(shim, topic)
+    value = b"x" * 1000
+    per_batch = 60  # ~60 KB: under merge_batch_bytes, so merged; five of them overflow one merged entry
+    blob = b"".join(_batch([(None, value, [], 1000 + j) for j in range(per_batch)]) for _ in range(5))
+    assert 4 * len(blob) // 5 < MERGED_BATCH_BYTES < len(blob)  # the fifth batch fills the open merged one
+    with RawConnection(shim.port) as conn:
+        assert _produce(conn, topic, _batch([(None, b"first", [], 1000)])).error_code == ErrorCode.none  # opens it
+
+    async def append_and_watch():
+        plog = shim.server.broker._logs[(topic, 0)]
+        _first, futures = await plog.append(split_batches(blob))
+        # queued, not acknowledged: a consumer already there is inside the log (Kafka: up to the log
+        # end offset), answered nothing until the high watermark passes it, not told "out of range"
+        assert plog.high_watermark < plog.next_offset
+        plog.check_offset(plog.next_offset)
+        seen: list[int] = []
+        # futures: one per batch and entry, in offset order; the last two are the split batch's entries
+        futures[-2].add_done_callback(lambda _f: seen.append(plog.high_watermark))  # after the listener's own
+        await asyncio.gather(*futures)
+        return seen, futures[-1].result(), plog.high_watermark  # the second entry's base = the first's end
+
+    seen, first_entry_end, hw = asyncio.run_coroutine_threadsafe(append_and_watch(), shim.loop).result(60)
+    assert hw == 1 + 5 * per_batch
+    assert 1 + 4 * per_batch < first_entry_end < hw  # the fifth batch really was split
+    assert seen == [first_entry_end]  # at the first entry's acknowledgement: its end, not the fourth batch's
+    got = _read(shim.bootstrap, topic, 1 + 5 * per_batch)
+    assert [o for o, *_ in got] == list(range(1 + 5 * per_batch))
