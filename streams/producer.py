@@ -46,6 +46,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiokafka.record.default_records import DefaultRecordBatch
@@ -120,6 +121,9 @@ class Producer:
         self._writer_key_version: int | None = None
         self._writer_lease_given = False
         driver.on_space.append(self._pump)
+        # called with (entry id, the batch) of each acknowledged entry, in entry order (the Kafka
+        # listener keeps the last ones to answer tailing fetches without a bookie read)
+        self.on_acked: Callable[[int, bytearray | bytes], None] | None = None
         # a compacted stream refuses records without a key (its policy as of the take-over; a
         # change of cleanup_policy applies to producers opened after it)
         self._key_required = "compact" in str(driver.writer.ledger.retention.get("cleanup_policy", "delete")).split(",")
@@ -444,6 +448,8 @@ class Producer:
         if efut.cancelled() or efut.exception() is not None:
             self._fail(efut.exception() if not efut.cancelled() else asyncio.CancelledError(), s)
             return
+        if self.on_acked is not None:
+            self.on_acked(efut.result(), s.data)
         if not s.fut.done():
             s.fut.set_result(s.base)
         if s.record_futs:

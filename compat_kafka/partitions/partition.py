@@ -104,6 +104,7 @@ from ..wire.errors import (
     OffsetOutOfRange,
     OutOfOrderSequenceNumber,
 )
+from .tailcache import TailCache
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ class PartitionConfig:
     # into the producer's open batch (``Producer.append_records``): many small batches, one entry.
     # Bigger ones (and every other batch) are stored as they came. 0: always as they came.
     merge_batch_bytes: int = 64 << 10
+    # writable: the last entries acknowledged, to answer tailing fetches without a bookie read
+    # (``tailcache.py``; besides, all partitions of a process share ``tailcache.PROCESS_BUDGET``). 0: off
+    tail_cache_entries: int = 32
+    tail_cache_bytes: int = 1 << 20
 
     def __post_init__(self):
         if self.merge_batch_bytes < 0:
@@ -180,6 +185,7 @@ class PartitionLog:
         self._snapshot_version = 0
         self._snapshot_offset = -1
         self._snapshots_stopped = False
+        self._tail: TailCache | None = None  # writable: the entries acknowledged last (``tailcache.py``)
 
     @property
     def next_offset(self) -> int:
@@ -207,6 +213,9 @@ class PartitionLog:
             self.reader = Consumer(self.client.cluster, self.producer.meta)
         self.reader.max_read_entries = self.config.max_read_entries
         self.reader.max_read_bytes = self.config.max_read_bytes
+        if self.config.tail_cache_entries > 0:
+            self._tail = TailCache(self.config.tail_cache_entries, self.config.tail_cache_bytes)
+            self.producer.on_acked = self._tail.add
         self.stream_id = self.producer.stream_id
         lac = self.producer.lac
         self.high_watermark = self.producer.next_offset
@@ -218,6 +227,7 @@ class PartitionLog:
                  self.log_start, self.high_watermark, len(self.acked_state.producers), scanned)
 
     async def close(self) -> None:
+        self._drop_tail()
         if self.producer is not None:
             try:
                 await self.producer.close()
@@ -512,7 +522,16 @@ class PartitionLog:
             fut.add_done_callback(done)
             return fut
 
+    def _drop_tail(self) -> None:
+        """Give the tail cache's bytes back to the process budget (a writer that failed or closed)."""
+        if self._tail is not None:
+            self._tail.clear()
+            self._tail = None
+            if self.producer is not None:
+                self.producer.on_acked = None
+
     def _fail(self, exc: BaseException) -> None:
+        self._drop_tail()
         if self.failure is None:
             log.warning("topic=%s partition=%d stream=%s writer failed: %r; re-opening on next use",
                         self.topic, self.partition, self.stream, exc)
@@ -622,20 +641,32 @@ class PartitionLog:
         out: list = []  # views of the stored batches (copied once, by the join)
         total = 0
         end = offset
+        tail = self._tail
         try:
             while eid <= last and total < max_bytes and end < hw:
-                for e in await self.reader.read_raw(eid, last):
-                    b = stored_batch(e.entry_id, e.data)
-                    if b is not None and b.end_offset > offset:
+                got = tail.run(eid, last) if tail is not None else ()
+                if got:  # just written and acknowledged here: no bookie read (``tailcache.py``)
+                    tail.hits += len(got)
+                else:
+                    if tail is not None:
+                        tail.misses += 1
+                    got = [b if b is not None else e.entry_id
+                           for e in await self.reader.read_raw(eid, last)
+                           for b in (stored_batch(e.entry_id, e.data),)]
+                for b in got:
+                    if type(b) is int:  # a no-op or a hole: no batch
+                        eid = b + 1
+                        continue
+                    if b.end_offset > offset:
                         if b.base_offset >= hw:
                             break
-                        size = len(e.data) - 1
+                        size = len(b.batch)
                         if out and total + size > max_bytes:
                             break
                         out.append(b.batch)
                         total += size
                         end = b.end_offset
-                    eid = e.entry_id + 1
+                    eid = b.entry_id + 1
                 else:
                     continue
                 break
@@ -651,6 +682,8 @@ class PartitionLog:
 
     async def _locate(self, offset: int) -> int:
         """The entry id of the batch holding ``offset`` (log_start <= offset < high watermark)."""
+        if self._tail is not None and (eid := self._tail.locate(offset)) is not None:
+            return eid
         r = self.reader
         if self.writable:
             r.lac = max(r.lac, self.producer.lac)  # the bookies may not have been told our LAC yet
