@@ -62,6 +62,7 @@ from kio.schema.errors import ErrorCode
 from fragments.tlsreload import ReloadableServerContext
 
 from .broker import Broker
+from .partitions import tailcache
 from .security import sasl
 from .wire import codec
 from .wire.errors import DropConnection, ProtocolError, UnsupportedRequest
@@ -205,6 +206,9 @@ class KafkaServer:
         # connections refused, by reason (metrics); throttled: connections muted by a quota
         self.stats = {"refused_max_connections": 0, "refused_max_connections_per_ip": 0, "throttled_responses": 0,
                       "produce_bytes_waits": 0}
+        if self.config.max_inflight_produce_bytes:  # the tail caches take at most a sixteenth of it
+            tailcache.PROCESS_BUDGET.limit = min(tailcache.PROCESS_BUDGET.limit,
+                                                 self.config.max_inflight_produce_bytes // 16)
         self.produce_budget = ByteBudget(self.config.max_inflight_produce_bytes,
                                          held_elsewhere=_WritersHeld(broker).bytes)
 
@@ -361,6 +365,7 @@ class KafkaServer:
                     held = self.produce_budget.clamp(size * PRODUCE_COPIES)
                     if not self.produce_budget.try_acquire(held):
                         self.stats["produce_bytes_waits"] += 1
+                        tailcache.PROCESS_BUDGET.shed()  # memory for produces first
                         await self.produce_budget.acquire(held)
                     conn.held += held
                 data = key + await reader.readexactly(size - 2)

@@ -134,6 +134,12 @@ class Producer:
         return self._driver.writer.term
 
     @property
+    def fragment_first_entry(self) -> int:
+        """The first entry id of the fragment being written (entries before it are in sealed
+        fragments, which compaction and offload may rewrite)."""
+        return self._driver.writer.fragment.first_entry_id
+
+    @property
     def stream_id(self) -> int:
         """The ledger id of the stream this producer writes."""
         return self._driver.writer.ledger.ledger_id

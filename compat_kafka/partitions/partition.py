@@ -644,7 +644,7 @@ class PartitionLog:
         tail = self._tail
         try:
             while eid <= last and total < max_bytes and end < hw:
-                got = tail.run(eid, last) if tail is not None else ()
+                got = tail.run(eid, last, self.producer.fragment_first_entry) if tail is not None else ()
                 if got:  # just written and acknowledged here: no bookie read (``tailcache.py``)
                     tail.hits += len(got)
                 else:
@@ -682,7 +682,7 @@ class PartitionLog:
 
     async def _locate(self, offset: int) -> int:
         """The entry id of the batch holding ``offset`` (log_start <= offset < high watermark)."""
-        if self._tail is not None and (eid := self._tail.locate(offset)) is not None:
+        if self._tail is not None and (eid := self._tail.locate(offset, self.producer.fragment_first_entry)) is not None:
             return eid
         r = self.reader
         if self.writable:
