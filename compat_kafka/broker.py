@@ -164,7 +164,7 @@ def _batch_error_cls(resp_cls: type) -> type | None:
     return getattr(sys.modules[resp_cls.__module__], "BatchIndexAndErrorMessage", None)
 
 
-async def _all_done(futs: list[asyncio.Future], timeout_s: float) -> bool:
+async def _all_done(futs: list[asyncio.Future], timeout_s: float, stop_at_failure: bool = True) -> bool:
     """Wait until every one of ``futs`` is done, or one has failed (as ``gather``), for at most
     ``timeout_s``; whether that happened in time. The futures are not cancelled on a timeout
     (``shield``). One waiter and one timer per produce partition instead of the tasks and futures
@@ -176,7 +176,7 @@ async def _all_done(futs: list[asyncio.Future], timeout_s: float) -> bool:
 
     def one(f: asyncio.Future) -> None:
         left[0] -= 1
-        if not waiter.done() and (left[0] == 0 or f.cancelled() or f.exception() is not None):
+        if not waiter.done() and (left[0] == 0 or stop_at_failure and (f.cancelled() or f.exception() is not None)):
             waiter.set_result(True)
 
     def expired() -> None:
@@ -816,8 +816,6 @@ class Broker:
 
     # ---------------------------------------------------------------- Produce
     async def produce(self, req, resp_cls):
-        topic_resp_cls = nested(resp_cls, "TopicProduceResponse")
-        part_resp_cls = nested(resp_cls, "PartitionProduceResponse")
         timeout_s = min(max(req.timeout.total_seconds(), 0.0), self.config.max_produce_timeout_ms / 1000)
         pending: list[tuple[str, int, int, list, PartitionLog]] = []
         results: dict[tuple[str, int], tuple[BaseException | None, int, int]] = {}
@@ -854,8 +852,16 @@ class Broker:
         if every and idempotent and next(self._idempotent_produces) % every == 0:
             log.info("test fault injection: dropping the response to a produce request (batches stored)")
             raise DropConnection("test fault injection: produce response dropped")
+        return self._produce_answer(req, resp_cls, order, results)
+
+    @staticmethod
+    def _produce_answer(req, resp_cls, order: list[tuple[str, int]], results: dict):
+        """The Produce answer: each partition's error or base offset and log start, in request
+        order (None for acks=0: nothing is answered)."""
         if req.acks == 0:
             return None
+        topic_resp_cls = nested(resp_cls, "TopicProduceResponse")
+        part_resp_cls = nested(resp_cls, "PartitionProduceResponse")
         by_topic: dict[str, list] = {}
         err_cls = _batch_error_cls(resp_cls)  # v8+
         for name, index in order:
@@ -870,6 +876,82 @@ class Broker:
                 error_message=str(exc) if exc else None))
         return build(resp_cls, throttle_time=ZERO_MS, responses=tuple(
             topic_resp_cls(name=n, partition_responses=tuple(ps)) for n, ps in by_topic.items()))
+
+    def coalesce_key(self, req: codec.Request) -> tuple | None:
+        """Pipelined Produce requests of one connection with the same key may be handled as one
+        group (``produce_group``; the server groups those it has read together): what every
+        request of a group must share — version, acks, timeout, client id — or None for a request
+        that is handled alone (a transactional id, invalid acks, old message formats, ACLs on, the
+        test fault injection)."""
+        body = req.body
+        if (req.api_key != codec.API_PRODUCE or req.api_version < 3 or body.transactional_id is not None
+                or body.acks not in (-1, 0, 1) or self.authorizer is not None
+                or self.config.drop_produce_response_every):
+            return None
+        return (req.api_version, body.acks, body.timeout, req.client_id)
+
+    async def produce_group(self, reqs: list[codec.Request]) -> list:
+        """Several Produce requests of one connection (same ``coalesce_key``) handled as one: the
+        batches of each partition are appended request after request in one
+        ``PartitionLog.append_group`` (each request checked as if alone: a sequence error or a
+        damaged batch fails that request's partition only), one wait for all acknowledgements, and
+        each request's own answer (its base offsets and errors), in order."""
+        resp_cls = _response_schema(codec.API_PRODUCE, reqs[0].api_version)
+        codec.set_client_id(reqs[0].client_id)
+        first = reqs[0].body
+        timeout_s = min(max(first.timeout.total_seconds(), 0.0), self.config.max_produce_timeout_ms / 1000)
+        orders = [[(t.name, p.index) for t in r.body.topic_data for p in t.partition_data] for r in reqs]
+        results: list[dict] = [{} for _ in reqs]
+        # partition -> [(request index, batches)], in request order
+        todo: dict[tuple[str, int], list[tuple[int, list]]] = {}
+        opened = await self._open_for_produce(first, [k for order in orders for k in order])
+        for i, r in enumerate(reqs):
+            for t in r.body.topic_data:
+                for p in t.partition_data:
+                    key = (t.name, p.index)
+                    try:
+                        batches = split_batches(p.records or b"")
+                        if batches and await self.compacted(t.name):
+                            self._check_keys(t.name, p.index, batches)
+                        todo.setdefault(key, []).append((i, batches))
+                    except Exception as exc:
+                        self._log_error("produce", t.name, p.index, exc)
+                        results[i][key] = (exc, -1, -1)
+        pending: list[tuple[int, tuple[str, int], int, list, PartitionLog]] = []
+        for key, entries in todo.items():
+            try:
+                plog = opened.pop(key, None)
+                if isinstance(plog, Exception):
+                    raise plog
+                if not isinstance(plog, PartitionLog):
+                    plog = await self.partition(*key, write=True)
+                outcomes = [None] * len(entries)
+                appended = []
+                for n, (_i, batches) in enumerate(entries):
+                    try:  # transactional batches without a transactional id: refused (as alone)
+                        await self._check_transactional(None, batches, plog)
+                        appended.append(n)
+                    except Exception as exc:
+                        outcomes[n] = exc
+                for n, out in zip(appended, await plog.append_group([entries[n][1] for n in appended]), strict=True):
+                    outcomes[n] = out
+            except Exception as exc:
+                outcomes = [exc] * len(entries)
+            for (i, _batches), out in zip(entries, outcomes, strict=True):
+                if isinstance(out, Exception):
+                    self._log_error("produce", *key, out)
+                    results[i][key] = (out, -1, -1)
+                else:
+                    pending.append((i, key, out[0], out[1], plog))
+        codec.effects_applied()  # every request's offsets assigned and entries queued
+        waiting = [f for _i, _k, _b, futs, _p in pending for f in futs if not f.done()]
+        if waiting:
+            await _all_done(waiting, timeout_s, stop_at_failure=False)
+        for i, key, base, futs, plog in pending:
+            results[i][key] = res = self._acks_outcome(futs, base, plog, timeout_s)
+            if res[0] is not None:
+                self._log_error("produce", *key, res[0])
+        return [self._produce_answer(r.body, resp_cls, order, res) for r, order, res in zip(reqs, orders, results)]
 
     async def _check_transactional(self, txn_id: str | None, batches, plog: PartitionLog) -> None:
         """Transactional batches need the request's transactional id, the current producer and a
@@ -903,7 +985,15 @@ class Broker:
         pending = [f for f in futs if not f.done()]
         if pending and not await _all_done(pending, timeout_s):
             return RequestTimedOut(f"not acknowledged within {timeout_s}s"), -1, -1
+        return self._acks_outcome(futs, base, plog, timeout_s)
+
+    @staticmethod
+    def _acks_outcome(futs, base: int, plog: PartitionLog, timeout_s: float):
+        """(error, base offset, log start) of a partition's appended batches once waited for."""
         failed = None
+        if not all(f.done() for f in futs) and not any(f.done() and (f.cancelled() or f.exception() is not None)
+                                                          for f in futs):
+            return RequestTimedOut(f"not acknowledged within {timeout_s}s"), -1, -1
         for f in futs:  # all done, or one failed (a cancelled one raises CancelledError, as gather did)
             exc = f.exception() if f.done() else None
             failed = failed or exc

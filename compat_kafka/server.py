@@ -205,7 +205,9 @@ class KafkaServer:
         self._ip_limits = dict(self.config.max_connections_per_ip_overrides)
         # connections refused, by reason (metrics); throttled: connections muted by a quota
         self.stats = {"refused_max_connections": 0, "refused_max_connections_per_ip": 0, "throttled_responses": 0,
-                      "produce_bytes_waits": 0}
+                      "produce_bytes_waits": 0,
+                      # pipelined produces handled as one group (_Group), and the requests in them
+                      "coalesced_produce_groups": 0, "coalesced_produce_requests": 0}
         if self.config.max_inflight_produce_bytes:  # the tail caches take at most a sixteenth of it
             tailcache.PROCESS_BUDGET.limit = min(tailcache.PROCESS_BUDGET.limit,
                                                  self.config.max_inflight_produce_bytes // 16)
@@ -344,7 +346,30 @@ class KafkaServer:
                          peer, auth: codec.ConnectionAuth, conn: _Conn) -> None:
         session: list[sasl.SaslSession] = []  # the mechanism chosen by SaslHandshake
         loop = asyncio.get_running_loop()
+        group = _Group()  # pipelined produces read together, not yet handed to the starter
+        try:
+            await self._read_frames(listener, reader, requests, peer, auth, conn, session, loop, group)
+        finally:
+            if group.reqs:  # read: still handled and answered
+                await self._flush_group(group, requests)
+
+    async def _flush_group(self, group: _Group, requests: _Starter) -> None:
+        """Hand the produces held in ``group`` to the starter: alone, or as one group item."""
+        if len(group.reqs) == 1:
+            item: Any = (group.reqs[0], group.helds[0])
+        else:
+            item = _Group(group.reqs, group.helds)
+            self.stats["coalesced_produce_groups"] += 1
+            self.stats["coalesced_produce_requests"] += len(group.reqs)
+        group.reqs, group.helds, group.key = [], [], None
+        await requests.put(item)
+
+    async def _read_frames(self, listener: ListenerConfig, reader: asyncio.StreamReader, requests: _Starter,
+                           peer, auth: codec.ConnectionAuth, conn: _Conn, session: list, loop,
+                           group: _Group) -> None:
         while True:
+            if group.reqs and (not _next_frame_is_produce(reader) or conn.muted_until > loop.time()):
+                await self._flush_group(group, requests)  # nothing more to join it without waiting
             await conn.unmuted(loop)  # a quota throttled this connection: nothing is read meanwhile
             try:
                 head = await reader.readexactly(4)
@@ -364,6 +389,8 @@ class KafkaServer:
                     # a produce waits for room among the produce bytes in flight before its body is read
                     held = self.produce_budget.clamp(size * PRODUCE_COPIES)
                     if not self.produce_budget.try_acquire(held):
+                        if group.reqs:  # the held ones go on first (they may be what frees the bytes)
+                            await self._flush_group(group, requests)
                         self.stats["produce_bytes_waits"] += 1
                         tailcache.PROCESS_BUDGET.shed()  # memory for produces first
                         await self.produce_budget.acquire(held)
@@ -394,7 +421,18 @@ class KafkaServer:
             if unauthenticated and req.api_key != codec.API_API_VERSIONS:
                 raise ProtocolError(f"api key {req.api_key} before SASL authentication")
             self.broker.prepare(req)  # e.g. start opening a produce's partitions (no effect a client sees)
-            await requests.put((req, held))
+            key = self.broker.coalesce_key(req) if req.api_key == codec.API_PRODUCE else None
+            if group.reqs and key != group.key:
+                await self._flush_group(group, requests)
+            if key is not None and (group.reqs or _next_frame_is_produce(reader)):
+                # a produce with another one read behind it: they may be handled as one (_Group)
+                group.key = key
+                group.reqs.append(req)
+                group.helds.append(held)
+                if len(group.reqs) >= _GROUP_MAX:
+                    await self._flush_group(group, requests)
+            else:
+                await requests.put((req, held))
             del req  # not kept past its answer while the next frame is awaited
 
     async def _sasl(self, listener: ListenerConfig, req: codec.Request, auth: codec.ConnectionAuth, session: list,
@@ -469,6 +507,38 @@ class KafkaServer:
             conn.muted_until = max(conn.muted_until, loop.time() + throttle_s)
         return None if body is None else codec.encode_response(req.correlation_id, body)
 
+    async def _respond_group(self, group: _Group, applied, conn: _Conn) -> list:
+        """Handle a group of pipelined produces as one (``Broker.produce_group``); their answers in
+        order (None for acks=0). Quotas are recorded per request, each with its share of the
+        group's handling time."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        handled = [-1.0]
+
+        def done() -> None:
+            if handled[0] < 0:
+                handled[0] = time.perf_counter() - started
+                applied()
+
+        codec.set_effects_applied_callback(done)
+        try:
+            bodies = await self.broker.produce_group(group.reqs)
+        finally:
+            done()
+            held = sum(group.helds)
+            if held:
+                conn.held -= held
+                self.produce_budget.release(held)
+        out: list = []
+        share = handled[0] / len(group.reqs)
+        for req, body in zip(group.reqs, bodies, strict=True):
+            body, throttle_s = self.broker.throttle(req, body, share)
+            if throttle_s > 0:
+                self.stats["throttled_responses"] += 1
+                conn.muted_until = max(conn.muted_until, loop.time() + throttle_s)
+            out.append(None if body is None else codec.encode_response(req.correlation_id, body))
+        return out
+
     async def _send_loop(self, queue: asyncio.Queue, writer: asyncio.StreamWriter, starter: _Starter) -> None:
         """Answers in request order. The answers already made when one is written go out with it in
         one write (one syscall): the produces acknowledged by one entry finish together."""
@@ -492,7 +562,9 @@ class KafkaServer:
                     writer.writelines(out)
                     writer.close()
                     return
-                if data is not None:
+                if type(data) is list:  # a group's answers (_Group)
+                    out.extend(d for d in data if d is not None)
+                elif data is not None:
                     out.append(data)
                 if queue.empty():
                     break
@@ -539,6 +611,30 @@ class _WritersHeld:
 
 
 _NOTHING = object()
+_GROUP_MAX = 64  # produce requests handled as one group at most
+
+
+class _Group:
+    """Pipelined Produce requests of one connection, read together and handled as one
+    (``Broker.produce_group``): each keeps its own answer, in order. ``key``: what they share
+    (``Broker.coalesce_key``)."""
+
+    __slots__ = ("reqs", "helds", "key")
+
+    def __init__(self, reqs: list | None = None, helds: list | None = None):
+        self.reqs: list = reqs if reqs is not None else []
+        self.helds: list = helds if helds is not None else []
+        self.key: tuple | None = None
+
+
+def _next_frame_is_produce(reader: asyncio.StreamReader) -> bool:
+    """Whether the reader already holds a whole next frame, and it is a Produce request: reading
+    it takes no wait, so a produce read before it may wait for it to join its group. (Peeks at
+    the StreamReader's buffer: asyncio has no public peek.)"""
+    buf = getattr(reader, "_buffer", None)
+    if buf is None or len(buf) < 6:
+        return False
+    return buf[4:6] == _PRODUCE_KEY and len(buf) >= 4 + _SIZE.unpack_from(buf)[0]
 
 
 class _Starter:
@@ -590,7 +686,9 @@ class _Starter:
                 q.put_nowait(item)
                 continue
             self.busy = True
-            q.put_nowait(_start_eagerly(self.server._respond(*item, self._applied, self.conn), self.ctx.copy()))
+            respond = (self.server._respond_group(item, self._applied, self.conn) if type(item) is _Group
+                       else self.server._respond(*item, self._applied, self.conn))
+            q.put_nowait(_start_eagerly(respond, self.ctx.copy()))
             item = None  # the request is its task's alone (freed once answered)
         if self.room is not None and len(self.waiting) < self.limit:
             if not self.room.done():

@@ -357,54 +357,73 @@ class PartitionLog:
         Idempotent duplicates are not queued again: they answer with the original base offset (and
         wait for the original's acknowledgement if it is still in flight)."""
         async with self._lock:
-            self._check_usable()
-            self._check_not_retiring()
-            if not self.writable:
-                raise WriterWithdrawn(f"{self.stream}: opened read-only")
-            dups = self._check_sequences(batches)
-            merged = [self._records_to_merge(b) if dup is None else None for b, dup in zip(batches, dups, strict=True)]
-            first = None
-            futures = []
-            queued = 0
-            p = self.producer
-            for b, dup, recs in zip(batches, dups, merged, strict=True):
-                if dup is not None:
-                    first = dup.base_offset if first is None else first
-                    if dup.future is not None and not dup.future.done():
-                        futures.append(dup.future)
-                    continue
+            return await self._append_locked(batches)
+
+    async def append_group(self, requests: list[list[Batch]]) -> list[tuple[int, list[asyncio.Future]] | Exception]:
+        """The batches of several produce requests (a connection's pipelined ones, handled as one
+        group by the server), one request after another under one hold of the lock: per request,
+        what ``append`` would have answered it alone at that point — (base offset, ack futures), or
+        the exception it would have raised (a sequence error, a batch too large, a failed writer).
+        One request's error does not stop the next ones: each is checked against the state the
+        earlier ones left, as if sent alone."""
+        out: list = []
+        async with self._lock:
+            for batches in requests:
                 try:
-                    if not p.has_space():
-                        await p.wait_for_space()
-                    if recs is not None:
-                        ends: list[int] = []
-                        base, futs = p.append_records(recs, ends)
-                        queued += 1
-                        first = base if first is None else first
-                        # records split over entries: each entry acknowledged moves the high watermark
-                        # to its end (a fetch serves entries whole, so the high watermark is always an
-                        # entry's end: never inside one a consumer has been given)
-                        for f, end in zip(futs, ends):  # all but the last
-                            f.add_done_callback(self._entry_acked_callback(end))
-                        futs[-1].add_done_callback(self._acked_callback(base, b))  # its last record's batch
-                        futures.extend(futs)
-                        continue
-                    base, fut = p.append_batch(b.raw)
-                except PayloadTooLarge:
-                    if queued:  # part of the request is queued: our offsets may no longer match the log
-                        self._fail(WriterWithdrawn("a partial append"))
-                    raise
-                except Exception as exc:  # the writer failed (fenced, withdrawn): re-open on next use
-                    self._fail(exc)
-                    raise
-                queued += 1
-                first = base if first is None else first
-                if b.producer_id >= 0:
-                    self.live_state.record(b.producer_id, b.producer_epoch, BatchRecord(
-                        b.base_sequence, b.last_sequence, base, b.offset_count, fut))
-                fut.add_done_callback(self._acked_callback(base, b))
-                futures.append(fut)
-            return (p.next_offset if first is None else first), futures
+                    out.append(await self._append_locked(batches))
+                except Exception as exc:  # noqa: BLE001 - that request's answer (the next ones go on)
+                    out.append(exc)
+        return out
+
+    async def _append_locked(self, batches: list[Batch]) -> tuple[int, list[asyncio.Future]]:
+        self._check_usable()
+        self._check_not_retiring()
+        if not self.writable:
+            raise WriterWithdrawn(f"{self.stream}: opened read-only")
+        dups = self._check_sequences(batches)
+        merged = [self._records_to_merge(b) if dup is None else None for b, dup in zip(batches, dups, strict=True)]
+        first = None
+        futures = []
+        queued = 0
+        p = self.producer
+        for b, dup, recs in zip(batches, dups, merged, strict=True):
+            if dup is not None:
+                first = dup.base_offset if first is None else first
+                if dup.future is not None and not dup.future.done():
+                    futures.append(dup.future)
+                continue
+            try:
+                if not p.has_space():
+                    await p.wait_for_space()
+                if recs is not None:
+                    ends: list[int] = []
+                    base, futs = p.append_records(recs, ends)
+                    queued += 1
+                    first = base if first is None else first
+                    # records split over entries: each entry acknowledged moves the high watermark
+                    # to its end (a fetch serves entries whole, so the high watermark is always an
+                    # entry's end: never inside one a consumer has been given)
+                    for f, end in zip(futs, ends):  # all but the last
+                        f.add_done_callback(self._entry_acked_callback(end))
+                    futs[-1].add_done_callback(self._acked_callback(base, b))  # its last record's batch
+                    futures.extend(futs)
+                    continue
+                base, fut = p.append_batch(b.raw)
+            except PayloadTooLarge:
+                if queued:  # part of the request is queued: our offsets may no longer match the log
+                    self._fail(WriterWithdrawn("a partial append"))
+                raise
+            except Exception as exc:  # the writer failed (fenced, withdrawn): re-open on next use
+                self._fail(exc)
+                raise
+            queued += 1
+            first = base if first is None else first
+            if b.producer_id >= 0:
+                self.live_state.record(b.producer_id, b.producer_epoch, BatchRecord(
+                    b.base_sequence, b.last_sequence, base, b.offset_count, fut))
+            fut.add_done_callback(self._acked_callback(base, b))
+            futures.append(fut)
+        return (p.next_offset if first is None else first), futures
 
     def _records_to_merge(self, b: Batch) -> list | None:
         """The records of a batch that may share an entry with others (``merge_batch_bytes``), or
