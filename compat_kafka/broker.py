@@ -944,7 +944,8 @@ class Broker:
                 else:
                     pending.append((i, key, out[0], out[1], plog))
         codec.effects_applied()  # every request's offsets assigned and entries queued
-        waiting = [f for _i, _k, _b, futs, _p in pending for f in futs if not f.done()]
+        # merged records of many requests wait for the same entry's future: one callback each
+        waiting = list(dict.fromkeys(f for _i, _k, _b, futs, _p in pending for f in futs if not f.done()))
         if waiting:
             await _all_done(waiting, timeout_s, stop_at_failure=False)
         for i, key, base, futs, plog in pending:

@@ -12,7 +12,14 @@ that changes nothing (a produce waiting for its acknowledgements, a fetch's long
 it eagerly (``_start_eagerly``: up to its first wait, at once), so the requests read in one loop
 turn are handled in that turn. So 50 pipelined
 OffsetCommits are applied one after another and the last one sent is the one that stays, while
-pipelined produces still overlap their replication. An acks=0 produce is handled but answered with
+pipelined produces still overlap their replication. Pipelined produces that the reader finds
+already read together (a whole next Produce frame in its buffer) and that may share a handler
+(``Broker.coalesce_key``: same version, acks, timeout, client id, no transactional id) go to the
+starter as one ``_Group``, handled by ``Broker.produce_group``: one append per partition for all
+of them in request order (each request checked as if alone: one request's error is its own), one
+acknowledgement wait, and each its own answer, in order (a list the send loop writes in turn). The
+produce budget is still taken per frame and quotas recorded per request. So a listener that falls
+behind pays less per request. An acks=0 produce is handled but answered with
 nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
 version) closes that connection, as a Kafka broker does; an ApiVersions request above our range
 is answered (v0, UNSUPPORTED_VERSION) instead. Other connections are not affected.
