@@ -37,6 +37,7 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +165,7 @@ def _batch_error_cls(resp_cls: type) -> type | None:
     return getattr(sys.modules[resp_cls.__module__], "BatchIndexAndErrorMessage", None)
 
 
-async def _all_done(futs: list[asyncio.Future], timeout_s: float, stop_at_failure: bool = True) -> bool:
+async def _all_done(futs: list[asyncio.Future], timeout_s: float) -> bool:
     """Wait until every one of ``futs`` is done, or one has failed (as ``gather``), for at most
     ``timeout_s``; whether that happened in time. The futures are not cancelled on a timeout
     (``shield``). One waiter and one timer per produce partition instead of the tasks and futures
@@ -176,7 +177,7 @@ async def _all_done(futs: list[asyncio.Future], timeout_s: float, stop_at_failur
 
     def one(f: asyncio.Future) -> None:
         left[0] -= 1
-        if not waiter.done() and (left[0] == 0 or stop_at_failure and (f.cancelled() or f.exception() is not None)):
+        if not waiter.done() and (left[0] == 0 or f.cancelled() or f.exception() is not None):
             waiter.set_result(True)
 
     def expired() -> None:
@@ -890,12 +891,14 @@ class Broker:
             return None
         return (req.api_version, body.acks, body.timeout, req.client_id)
 
-    async def produce_group(self, reqs: list[codec.Request]) -> list:
+    async def produce_group(self, reqs: list[codec.Request], answer: Callable[[int, Any], None]) -> None:
         """Several Produce requests of one connection (same ``coalesce_key``) handled as one: the
         batches of each partition are appended request after request in one
         ``PartitionLog.append_group`` (each request checked as if alone: a sequence error or a
-        damaged batch fails that request's partition only), one wait for all acknowledgements, and
-        each request's own answer (its base offsets and errors), in order."""
+        damaged batch fails that request's partition only); then, in request order, each request's
+        own answer (its base offsets and errors, None for acks=0) handed to ``answer(index, body)``
+        as soon as its batches are acknowledged (the request timeout counts from the group's
+        start)."""
         resp_cls = _response_schema(codec.API_PRODUCE, reqs[0].api_version)
         codec.set_client_id(reqs[0].client_id)
         first = reqs[0].body
@@ -944,15 +947,19 @@ class Broker:
                 else:
                     pending.append((i, key, out[0], out[1], plog))
         codec.effects_applied()  # every request's offsets assigned and entries queued
-        # merged records of many requests wait for the same entry's future: one callback each
-        waiting = list(dict.fromkeys(f for _i, _k, _b, futs, _p in pending for f in futs if not f.done()))
-        if waiting:
-            await _all_done(waiting, timeout_s, stop_at_failure=False)
-        for i, key, base, futs, plog in pending:
-            results[i][key] = res = self._acks_outcome(futs, base, plog, timeout_s)
-            if res[0] is not None:
-                self._log_error("produce", *key, res[0])
-        return [self._produce_answer(r.body, resp_cls, order, res) for r, order, res in zip(reqs, orders, results)]
+        by_request: list[list] = [[] for _ in reqs]
+        for entry in pending:
+            by_request[entry[0]].append(entry)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for i, (r, order, res) in enumerate(zip(reqs, orders, results, strict=True)):
+            # in request order, each as alone: its answer is made once its own batches are
+            # acknowledged (or one failed), so an early one leaves before later ones are in
+            for _i, key, base, futs, plog in by_request[i]:
+                res[key] = out = await self._await_acks(futs, base, plog, max(0.0, deadline - loop.time()))
+                if out[0] is not None:
+                    self._log_error("produce", *key, out[0])
+            answer(i, self._produce_answer(r.body, resp_cls, order, res))
 
     async def _check_transactional(self, txn_id: str | None, batches, plog: PartitionLog) -> None:
         """Transactional batches need the request's transactional id, the current producer and a
@@ -986,15 +993,7 @@ class Broker:
         pending = [f for f in futs if not f.done()]
         if pending and not await _all_done(pending, timeout_s):
             return RequestTimedOut(f"not acknowledged within {timeout_s}s"), -1, -1
-        return self._acks_outcome(futs, base, plog, timeout_s)
-
-    @staticmethod
-    def _acks_outcome(futs, base: int, plog: PartitionLog, timeout_s: float):
-        """(error, base offset, log start) of a partition's appended batches once waited for."""
         failed = None
-        if not all(f.done() for f in futs) and not any(f.done() and (f.cancelled() or f.exception() is not None)
-                                                          for f in futs):
-            return RequestTimedOut(f"not acknowledged within {timeout_s}s"), -1, -1
         for f in futs:  # all done, or one failed (a cancelled one raises CancelledError, as gather did)
             exc = f.exception() if f.done() else None
             failed = failed or exc

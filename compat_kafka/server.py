@@ -16,11 +16,11 @@ pipelined produces still overlap their replication. Pipelined produces that the 
 already read together (a whole next Produce frame in its buffer) and that may share a handler
 (``Broker.coalesce_key``: same version, acks, timeout, client id, no transactional id) go to the
 starter as one ``_Group``, handled by ``Broker.produce_group``: one append per partition for all
-of them in request order (each request checked as if alone: one request's error is its own), one
-acknowledgement wait, and each its own answer, in order (a list the send loop writes in turn). The
-produce budget is still taken per frame and quotas recorded per request. So a listener that falls
-behind pays less per request. An acks=0 produce is handled but answered with
-nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
+of them in request order (each request checked as if alone: one request's error is its own), and
+each its own answer, in order, as soon as its own batches are acknowledged (one future per request
+in the send loop's queue). The produce budget is still taken per frame and quotas recorded per
+request. So a listener that falls behind pays less per request. An acks=0 produce is handled but
+answered with nothing. A frame that cannot be read (garbage, truncated, oversize, an unknown API key or
 version) closes that connection, as a Kafka broker does; an ApiVersions request above our range
 is answered (v0, UNSUPPORTED_VERSION) instead. Other connections are not affected.
 
@@ -218,6 +218,7 @@ class KafkaServer:
         if self.config.max_inflight_produce_bytes:  # the tail caches take at most a sixteenth of it
             tailcache.PROCESS_BUDGET.limit = min(tailcache.PROCESS_BUDGET.limit,
                                                  self.config.max_inflight_produce_bytes // 16)
+        self._group_tasks: set[asyncio.Task] = set()  # produce groups being handled (their answers are futures)
         self.produce_budget = ByteBudget(self.config.max_inflight_produce_bytes,
                                          held_elsewhere=_WritersHeld(broker).bytes)
 
@@ -436,7 +437,7 @@ class KafkaServer:
                 group.key = key
                 group.reqs.append(req)
                 group.helds.append(held)
-                if len(group.reqs) >= _GROUP_MAX:
+                if len(group.reqs) >= min(_GROUP_MAX, self.config.max_inflight_requests):
                     await self._flush_group(group, requests)
             else:
                 await requests.put((req, held))
@@ -514,37 +515,51 @@ class KafkaServer:
             conn.muted_until = max(conn.muted_until, loop.time() + throttle_s)
         return None if body is None else codec.encode_response(req.correlation_id, body)
 
-    async def _respond_group(self, group: _Group, applied, conn: _Conn) -> list:
-        """Handle a group of pipelined produces as one (``Broker.produce_group``); their answers in
-        order (None for acks=0). Quotas are recorded per request, each with its share of the
-        group's handling time."""
+    async def _respond_group(self, group: _Group, applied, conn: _Conn) -> None:
+        """Handle a group of pipelined produces as one (``Broker.produce_group``): each request's
+        answer (None for acks=0) resolves its own future in ``group.answers`` (the send loop's queue
+        holds those, in order) as soon as it is made. Quotas are recorded per request, each with
+        its share of the group's handling time; each request's produce bytes are released with its
+        answer."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         handled = [-1.0]
+        reqs, helds, answers = group.reqs, group.helds, group.answers
 
         def done() -> None:
             if handled[0] < 0:
                 handled[0] = time.perf_counter() - started
                 applied()
 
-        codec.set_effects_applied_callback(done)
-        try:
-            bodies = await self.broker.produce_group(group.reqs)
-        finally:
+        def release(i: int) -> None:
+            if helds[i]:
+                conn.held -= helds[i]
+                self.produce_budget.release(helds[i])
+                helds[i] = 0
+
+        def answer(i: int, body) -> None:
             done()
-            held = sum(group.helds)
-            if held:
-                conn.held -= held
-                self.produce_budget.release(held)
-        out: list = []
-        share = handled[0] / len(group.reqs)
-        for req, body in zip(group.reqs, bodies, strict=True):
-            body, throttle_s = self.broker.throttle(req, body, share)
-            if throttle_s > 0:
+            release(i)
+            req = reqs[i]
+            body, throttle_s = self.broker.throttle(req, body, handled[0] / len(reqs))
+            if throttle_s > 0:  # as _respond
                 self.stats["throttled_responses"] += 1
                 conn.muted_until = max(conn.muted_until, loop.time() + throttle_s)
-            out.append(None if body is None else codec.encode_response(req.correlation_id, body))
-        return out
+            answers[i].set_result(None if body is None else codec.encode_response(req.correlation_id, body))
+
+        codec.set_effects_applied_callback(done)
+        try:
+            await self.broker.produce_group(reqs, answer)
+        except BaseException as exc:  # the send loop meets it at the first request not answered
+            for f in answers:
+                if not f.done():
+                    f.set_exception(exc if isinstance(exc, Exception) else ConnectionError("handler cancelled"))
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            done()
+            for i in range(len(reqs)):
+                release(i)
 
     async def _send_loop(self, queue: asyncio.Queue, writer: asyncio.StreamWriter, starter: _Starter) -> None:
         """Answers in request order. The answers already made when one is written go out with it in
@@ -569,9 +584,7 @@ class KafkaServer:
                     writer.writelines(out)
                     writer.close()
                     return
-                if type(data) is list:  # a group's answers (_Group)
-                    out.extend(d for d in data if d is not None)
-                elif data is not None:
+                if data is not None:
                     out.append(data)
                 if queue.empty():
                     break
@@ -626,12 +639,13 @@ class _Group:
     (``Broker.produce_group``): each keeps its own answer, in order. ``key``: what they share
     (``Broker.coalesce_key``)."""
 
-    __slots__ = ("reqs", "helds", "key")
+    __slots__ = ("reqs", "helds", "key", "answers")
 
     def __init__(self, reqs: list | None = None, helds: list | None = None):
         self.reqs: list = reqs if reqs is not None else []
         self.helds: list = helds if helds is not None else []
         self.key: tuple | None = None
+        self.answers: list[asyncio.Future] = []  # one per request, made when the group starts
 
 
 def _next_frame_is_produce(reader: asyncio.StreamReader) -> bool:
@@ -688,14 +702,26 @@ class _Starter:
     def _start(self) -> None:
         q = self.queue
         while not self.busy and self.waiting and not q.full() and not self.stopped:
-            item = self.waiting.popleft()
+            item = self.waiting[0]
             if isinstance(item, asyncio.Future):  # an answer made while reading
-                q.put_nowait(item)
+                q.put_nowait(self.waiting.popleft())
                 continue
             self.busy = True
-            respond = (self.server._respond_group(item, self._applied, self.conn) if type(item) is _Group
-                       else self.server._respond(*item, self._applied, self.conn))
-            q.put_nowait(_start_eagerly(respond, self.ctx.copy()))
+            if type(item) is _Group:  # one answer future each in the queue: room for all of them first
+                if q.maxsize and q.maxsize - q.qsize() < len(item.reqs):
+                    self.busy = False
+                    break
+                self.waiting.popleft()
+                loop = asyncio.get_running_loop()
+                item.answers = [loop.create_future() for _ in item.reqs]
+                for f in item.answers:
+                    q.put_nowait(f)
+                task = _start_eagerly(self.server._respond_group(item, self._applied, self.conn), self.ctx.copy())
+                self.server._group_tasks.add(task)
+                task.add_done_callback(self.server._group_tasks.discard)
+            else:
+                self.waiting.popleft()
+                q.put_nowait(_start_eagerly(self.server._respond(*item, self._applied, self.conn), self.ctx.copy()))
             item = None  # the request is its task's alone (freed once answered)
         if self.room is not None and len(self.waiting) < self.limit:
             if not self.room.done():
