@@ -121,6 +121,11 @@ _ID_CACHE_MAX = 100_000  # names whose ledger id is remembered
 ID_BLOCK = 32  # ledger ids a store takes from the counter at once for creates of a few streams
 
 
+def fragment_zero(ensemble: tuple[str, ...]) -> Fragment:
+    """A new ledger's first fragment (what ``create_ledger`` writes) on ``ensemble``."""
+    return Fragment(index=0, first_entry_id=0, ensemble=tuple(ensemble), created_term=0, first_offset=0)
+
+
 class LedgerStore:
     """Ledger metadata operations; every method is one or a few store round trips."""
 
@@ -157,11 +162,14 @@ class LedgerStore:
         ensemble: tuple[str, ...],
         retention: dict | None = None,
         ledger_id: int | None = None,
+        also_create: dict[str, bytes] | None = None,
     ) -> tuple[LedgerMeta, int]:
         """Allocate an id (or use ``ledger_id``, one the caller took with ``allocate_ids``) and create the ledger (OPEN, term 0) with fragment 0 on ``ensemble``.
 
         One transaction claims the name and writes the meta and fragment 0; ``LedgerExists`` if the
-        name is taken (an id allocated for a lost race is simply skipped).
+        name is taken (an id allocated for a lost race is simply skipped). ``also_create``: keys
+        that must not exist yet, written in the same transaction (a one-partition topic's record);
+        ``LedgerExists`` too if one of them exists (the caller tells which by reading it).
         """
         validate_name(name)
         ensemble = tuple(ensemble)
@@ -169,8 +177,6 @@ class LedgerStore:
             raise InvalidConfig(
                 f"fragment 0 needs {config.ensemble_size} distinct bookies, got {list(ensemble)!r}"
             )
-        if await self.store.get(by_name_key(name)) is not None:
-            raise LedgerExists(name)
         if ledger_id is None:
             (ledger_id,) = await self.allocate_ids(1)
         meta = LedgerMeta(
@@ -183,18 +189,20 @@ class LedgerStore:
             last_fragment_index=0,
             retention=dict(retention or {}),
         )
-        frag0 = Fragment(index=0, first_entry_id=0, ensemble=ensemble, created_term=0, first_offset=0)
+        frag0 = fragment_zero(ensemble)
         mkey = meta_key(ledger_id)
+        extra = dict(also_create or {})
         result = await self.store.txn(
-            compares={by_name_key(name): 0, mkey: 0},
+            compares={by_name_key(name): 0, mkey: 0, **dict.fromkeys(extra, 0)},
             puts={
                 by_name_key(name): str(ledger_id).encode(),
                 mkey: meta.to_json().encode(),
                 fragment_key(ledger_id, 0): frag0.to_json().encode(),
+                **extra,
             },
         )
-        if not result.succeeded:
-            raise LedgerExists(name)  # the id is fresh, so only the name can have been taken
+        if not result.succeeded:  # the id is fresh, so only the name (or an ``also_create`` key) was taken
+            raise LedgerExists(name)
         self._remember(name, ledger_id)
         return meta, result.versions[mkey]
 

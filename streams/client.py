@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from bookie.runtime import tune_malloc
 from fragments.compaction import DATA_LEDGER_PREFIX, CompactionPolicy, InvalidCompactionPolicy, normalise_cleanup_policy
 from fragments.compaction import POLICY_KEYS as COMPACTION_KEYS
-from fragments.ledgers import LedgerExists, NoSuchLedger
+from fragments.ledgers import LedgerExists, NoSuchLedger, fragment_zero
 from fragments.model import Fragment, InvalidConfig, LedgerConfig, LedgerMeta
 from fragments.placement import BookieInfo, NotEnoughBookies, Placement
 from fragments.retention import POLICY_KEYS as RETENTION_POLICY_KEYS
@@ -140,16 +140,18 @@ class ScrollClient:
             if policy.compact and policy.max_compaction_lag_ms is not None:
                 fragment_age_max_ms = min(fragment_age_max_ms or policy.max_compaction_lag_ms,
                                           policy.max_compaction_lag_ms)
+        made: list[StreamInfo] = []
         await self.create_topic(name, 1, ensemble=ensemble, write_quorum=write_quorum, ack_quorum=ack_quorum,
                                 fragment_bytes_max=fragment_bytes_max, fragment_entries_max=fragment_entries_max,
-                                fragment_age_max_ms=fragment_age_max_ms, retention=retention or None)
-        return await self.describe_stream(name)
+                                fragment_age_max_ms=fragment_age_max_ms, retention=retention or None, _made=made)
+        return made[0]  # what the one transaction wrote: no read-back
 
     async def create_topic(self, name: str, partitions: int = 1, configs: dict[str, str] | None = None, *,
                            ensemble: int = 3, write_quorum: int = 3, ack_quorum: int = 2,
                            fragment_bytes_max: int = 64 << 20, fragment_entries_max: int = 1_000_000,
                            fragment_age_max_ms: int | None = None,
-                           retention: dict | None = None, reuse_streams: bool = False) -> TopicMeta:
+                           retention: dict | None = None, reuse_streams: bool = False,
+                           _made: list | None = None) -> TopicMeta:
         """A topic of ``partitions`` streams (partition p is ``topics.partition_stream(name, p)``).
         ``reuse_streams``: a partition stream left by an interrupted create is taken as is.
 
@@ -184,43 +186,65 @@ class ScrollClient:
                                   fragment_age_max_ms)
         except InvalidConfig as exc:
             raise InvalidArgument(str(exc)) from exc
+        meta = TopicMeta(name, partitions, configs=configs)
+        if partitions == 1:
+            # One transaction writes the stream and the topic record (a stream of its own, or a
+            # one-partition topic): both or neither exist, and a create costs one etcd write.
+            made = await self._create_partition_streams(name, range(1), config, retention, reuse_streams,
+                                                        topic_record=meta.encode())
+            if _made is not None:
+                _made.extend(made)
+            return meta
         if await self.cluster.store.get(topic_key(name)) is not None:
             raise TopicExists(f"topic {name!r} already exists")
-        meta = TopicMeta(name, partitions, configs=configs)
         await self._create_partition_streams(name, range(partitions), config, retention, reuse_streams)
         if await self.cluster.store.create(topic_key(name), meta.encode()) is None:
             raise TopicExists(f"topic {name!r} already exists")
         return meta
 
     async def _create_partition_streams(self, topic: str, partitions: range, config: LedgerConfig, retention,
-                                        reuse: bool) -> None:
-        """The streams of ``partitions``: one look at the bookies, one placer (the partitions spread
-        evenly), one block of ledger ids, and CREATE_CONCURRENCY streams created at once (a batching
-        store sends each wave's reads and transactions as one request)."""
-        await self.cluster.refresh_bookies()
+                                        reuse: bool, topic_record: bytes | None = None) -> list[StreamInfo]:
+        """The streams of ``partitions``: one look at the bookies (a listing up to a second old is
+        good enough: a writer replaces a bookie that turns out dead), one placer (the partitions
+        spread evenly), one block of ledger ids, and CREATE_CONCURRENCY streams created at once (a
+        batching store sends each wave's reads and transactions as one request). ``topic_record``
+        (one partition only): the topic's record, written in the stream's own transaction."""
+        await self.cluster.refresh_bookies(max_age_s=1.0)
         placement = Placement(random.Random(), [BookieInfo(b.bookie_id, b.rack) for b in self.cluster.live()])
         ids = await self.cluster.ledgers.allocate_ids(len(partitions))
         todo = list(zip(partitions, ids, strict=True))
+        made: list[StreamInfo] = []
         for lo in range(0, len(todo), CREATE_CONCURRENCY):
             done = await asyncio.gather(*(
                 self._create_partition_stream(partition_stream(topic, p), config, retention, reuse,
-                                              placement=placement, ledger_id=i)
+                                              placement=placement, ledger_id=i, topic_record=topic_record)
                 for p, i in todo[lo:lo + CREATE_CONCURRENCY]), return_exceptions=True)
             failed = next((x for x in done if isinstance(x, BaseException)), None)
             if failed is not None:  # (after the whole wave: no creation is left running)
                 raise failed
+            made += [x for x in done if x is not None]
+        return made
 
     async def _create_partition_stream(self, name: str, config: LedgerConfig, retention, reuse: bool, *,
-                                       placement: Placement, ledger_id: int) -> None:
+                                       placement: Placement, ledger_id: int,
+                                       topic_record: bytes | None = None) -> StreamInfo | None:
         try:
             ens = placement.choose(config.ensemble_size)
         except NotEnoughBookies as exc:
             raise NoBookiesAvailable(f"cannot create {name!r}: {exc}") from exc
+        also = {topic_key(name): topic_record} if topic_record is not None else None
         try:
-            await self.cluster.ledgers.create_ledger(name, config, ens, retention, ledger_id=ledger_id)
+            meta, _ = await self.cluster.ledgers.create_ledger(name, config, ens, retention, ledger_id=ledger_id,
+                                                               also_create=also)
         except LedgerExists as exc:
+            if also and await self.cluster.store.get(topic_key(name)) is not None:
+                raise TopicExists(f"topic {name!r} already exists") from exc
             if not reuse:
                 raise StreamExists(f"stream {name!r} already exists") from exc
+            if also and await self.cluster.store.create(topic_key(name), topic_record) is None:
+                raise TopicExists(f"topic {name!r} already exists") from exc  # (raced)
+            return None
+        return StreamInfo(meta, [fragment_zero(ens)])
 
     async def describe_topic(self, name: str) -> TopicMeta:
         """The topic record; a stream without one (none is left by ``create_stream``, but one may
