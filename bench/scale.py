@@ -218,7 +218,20 @@ def _print_streams(rows: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------------ fragments
-async def _one_fragment_curve(client, name: str, fragments: int, per: int) -> dict:
+IDLE_TAIL_S = 10.0
+
+
+def _etcd_requests(port: int) -> float:
+    """Requests etcd has received so far (its /metrics, every gRPC method but lease keep-alives)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    n = 0.0
+    for line in text.splitlines():
+        if line.startswith("grpc_server_msg_received_total{") and "LeaseKeepAlive" not in line:
+            n += float(line.rsplit(" ", 1)[1])
+    return n
+
+
+async def _one_fragment_curve(client, name: str, fragments: int, per: int, etcd_port: int) -> dict:
     from streams.tools.retention import apply
 
     await client.create_stream(name, ensemble=3, write_quorum=3, ack_quorum=2, fragment_entries_max=per)
@@ -254,6 +267,16 @@ async def _one_fragment_curve(client, name: str, fragments: int, per: int) -> di
     pos = await timed("seek_timestamp_ms", cons.seek_timestamp(ts0 + n // 3))
     assert pos == n // 3, pos
     await cons.close()
+    # an idle tailing consumer (caught up, long-polling for more): this process's CPU and etcd's
+    # requests while it waits, per minute
+    tail = await client.consumer(name, start="latest")
+    m0, cpu0, w0 = _etcd_requests(etcd_port), time.process_time(), time.monotonic()
+    while time.monotonic() - w0 < IDLE_TAIL_S:
+        await tail.read(100, timeout_s=1.0)
+    wall = time.monotonic() - w0
+    out["idle_tail_cpu_pct"] = _pct(time.process_time() - cpu0, wall)
+    out["idle_tail_etcd_req_per_min"] = (_etcd_requests(etcd_port) - m0) * 60 / wall
+    await tail.close()
     await timed("describe_ms", client.describe_stream(name))
     rep = await timed("retention_half_ms", apply(client, name, n // 2, floors=[], respect_consumers=False))
     out["retention_removed_fragments"] = rep.fragments if hasattr(rep, "fragments") else None
@@ -267,7 +290,7 @@ async def phase_fragments(args) -> dict:
     async with Cluster("fragments", args.keep) as c:
         for f in (10, args.fragments):
             m0 = _etcd_metrics(c.lc.etcd_port)
-            r = await _one_fragment_curve(c.client, f"frag-{f}", f, args.entries_per_fragment)
+            r = await _one_fragment_curve(c.client, f"frag-{f}", f, args.entries_per_fragment, c.lc.etcd_port)
             m1 = _etcd_metrics(c.lc.etcd_port)
             # etcd keeps every revision (nothing compacts its history): what the stream's writes,
             # rollovers and retention cost the db file, per fragment the stream ever had
@@ -278,7 +301,7 @@ async def phase_fragments(args) -> dict:
     ref, big = rows
     print(f"\n{'':24} {'10 fragments':>14} {big['fragments']:>8} fragments {'ratio':>8}")
     for k in ("write_s", "open_producer_ms", "open_consumer_ms", "seek_middle_ms", "seek_end_ms",
-              "seek_timestamp_ms", "describe_ms", "retention_half_ms", "fragment_key_bytes",
+              "seek_timestamp_ms", "idle_tail_cpu_pct", "idle_tail_etcd_req_per_min", "describe_ms", "retention_half_ms", "fragment_key_bytes",
               "fragments_after_retention", "etcd_db_bytes_per_fragment"):
         ratio = big[k] / ref[k] if ref[k] else float("nan")
         print(f"{k:24} {ref[k]:>14.1f} {big[k]:>18.1f} {ratio:>8.1f}")

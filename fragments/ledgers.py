@@ -118,6 +118,7 @@ def _common_prefix(a: str, b: str) -> str:
 
 
 _ID_CACHE_MAX = 100_000  # names whose ledger id is remembered
+FEW_FRAGMENTS = 32  # a range of at most this many fragments is read by key (one transaction of gets)
 ID_BLOCK = 32  # ledger ids a store takes from the counter at once for creates of a few streams
 
 
@@ -248,12 +249,21 @@ class LedgerStore:
         self, ledger_id: int, first_index: int | None = None, last_index: int | None = None
     ) -> list[Fragment]:
         """Fragments ``first_index..last_index`` (inclusive; None: unbounded), by index, in one
-        range read (the prefix is narrowed to what the two bounds have in common)."""
+        round trip: one range read of the prefix the two bounds have in common, or, for a few
+        (up to ``FEW_FRAGMENTS``) whose common prefix spans many more indexes than asked for, the
+        keys themselves at one revision. A reader refreshing the tail of a long stream reads one or
+        two records, not every record that shares their prefix (9999..10000 share ``.../0000000``)."""
         prefix = fragments_prefix(ledger_id)
         if first_index is not None and last_index is not None:
             if last_index < first_index:
                 return []
             prefix = _common_prefix(fragment_key(ledger_id, first_index), fragment_key(ledger_id, last_index))
+            wanted = last_index - first_index + 1
+            span = 10 ** (len(fragment_key(ledger_id, 0)) - len(prefix))  # indexes the prefix covers
+            if wanted <= FEW_FRAGMENTS and span > 4 * wanted:
+                keys = [fragment_key(ledger_id, i) for i in range(first_index, last_index + 1)]
+                return [_parse_fragment(v.value, k) for k, v in zip(keys, await self.store.get_many(keys), strict=True)
+                        if v is not None]
         out = []
         for key, v in await self.store.list_prefix(prefix):
             frag = _parse_fragment(v.value, key)

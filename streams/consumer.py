@@ -365,12 +365,21 @@ class Consumer:
         self.fragments = list(fragments)
         self._sealed_lac()
 
-    async def _refresh(self) -> None:
+    async def _refresh(self, tail: bool = False) -> None:
+        """Re-read the meta and the fragments. ``tail`` (a caught-up reader's idle re-read): only
+        the fragments from the last one known on (one or two records however long the stream),
+        dropping those retention removed; the sealed ones before are kept as known (as after any
+        refresh, a read that no replica of a stale record serves re-reads them all)."""
         self._refreshed_at = asyncio.get_running_loop().time()
         meta, _ = await self.cluster.ledgers.get_ledger(self.meta.ledger_id)
         self.meta = meta
-        self.fragments = await self.cluster.ledgers.fragments(
-            meta.ledger_id, meta.first_fragment_index, meta.last_fragment_index)
+        known = self.fragments[-1].index if tail and self.fragments else None
+        if known is not None and meta.first_fragment_index <= known <= meta.last_fragment_index:
+            newer = await self.cluster.ledgers.fragments(meta.ledger_id, known, meta.last_fragment_index)
+            self.fragments = [f for f in self.fragments if meta.first_fragment_index <= f.index < known] + newer
+        else:
+            self.fragments = await self.cluster.ledgers.fragments(
+                meta.ledger_id, meta.first_fragment_index, meta.last_fragment_index)
         self._sealed_lac()
         await self.cluster.refresh_bookies(max_age_s=1.0)
 
@@ -453,7 +462,7 @@ class Consumer:
                 # A poll without progress: the writer may have rolled over onto other bookies,
                 # whose LAC these members never hear. Re-read the fragments (at most one metadata
                 # read per IDLE_REFRESH_S while idle) so later polls ask the real last fragment.
-                await self._refresh()
+                await self._refresh(tail=True)
                 self.lac = max(self.lac, self.fragments[-1].first_entry_id - 1)
             return got
         await self._refresh()  # the ensemble may have changed

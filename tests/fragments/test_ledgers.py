@@ -146,7 +146,8 @@ def test_fragment_range_reads(store: MetadataStore, run):
         lid = meta.ledger_id
         assert [f.index for f in await ls.fragments(lid)] == list(range(31))
         assert [f.index for f in await ls.fragments(lid, 5, 12)] == list(range(5, 13))
-        assert [f.index for f in await ls.fragments(lid, 9, 10)] == [9, 10]
+        assert [f.index for f in await ls.fragments(lid, 9, 10)] == [9, 10]  # read by key, not ".../0000000000*"
+        assert [f.index for f in await ls.fragments(lid, 28, 40)] == [28, 29, 30]  # absent keys are no fragments
         assert [f.index for f in await ls.fragments(lid, first_index=25)] == list(range(25, 31))
         assert [f.index for f in await ls.fragments(lid, last_index=3)] == [0, 1, 2, 3]
         assert await ls.fragments(lid, 12, 5) == []
