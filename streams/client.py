@@ -140,18 +140,18 @@ class ScrollClient:
             if policy.compact and policy.max_compaction_lag_ms is not None:
                 fragment_age_max_ms = min(fragment_age_max_ms or policy.max_compaction_lag_ms,
                                           policy.max_compaction_lag_ms)
-        made: list[StreamInfo] = []
-        await self.create_topic(name, 1, ensemble=ensemble, write_quorum=write_quorum, ack_quorum=ack_quorum,
-                                fragment_bytes_max=fragment_bytes_max, fragment_entries_max=fragment_entries_max,
-                                fragment_age_max_ms=fragment_age_max_ms, retention=retention or None, _made=made)
+        _, made = await self._create_topic(name, 1, None, ensemble=ensemble, write_quorum=write_quorum,
+                                           ack_quorum=ack_quorum, fragment_bytes_max=fragment_bytes_max,
+                                           fragment_entries_max=fragment_entries_max,
+                                           fragment_age_max_ms=fragment_age_max_ms, retention=retention or None,
+                                           reuse_streams=False)
         return made[0]  # what the one transaction wrote: no read-back
 
     async def create_topic(self, name: str, partitions: int = 1, configs: dict[str, str] | None = None, *,
                            ensemble: int = 3, write_quorum: int = 3, ack_quorum: int = 2,
                            fragment_bytes_max: int = 64 << 20, fragment_entries_max: int = 1_000_000,
                            fragment_age_max_ms: int | None = None,
-                           retention: dict | None = None, reuse_streams: bool = False,
-                           _made: list | None = None) -> TopicMeta:
+                           retention: dict | None = None, reuse_streams: bool = False) -> TopicMeta:
         """A topic of ``partitions`` streams (partition p is ``topics.partition_stream(name, p)``).
         ``reuse_streams``: a partition stream left by an interrupted create is taken as is.
 
@@ -159,6 +159,18 @@ class ScrollClient:
         (``retention.ms``/``.bytes``, ``cleanup.policy`` and the compaction settings, ``segment.bytes``
         / ``segment.ms``: ``topics.retention_policy`` / ``rollover_caps``) become each stream's
         retention policy and rollover caps, over ``retention`` and the ``fragment_*`` arguments."""
+        meta, _ = await self._create_topic(name, partitions, configs, ensemble=ensemble, write_quorum=write_quorum,
+                                           ack_quorum=ack_quorum, fragment_bytes_max=fragment_bytes_max,
+                                           fragment_entries_max=fragment_entries_max,
+                                           fragment_age_max_ms=fragment_age_max_ms, retention=retention,
+                                           reuse_streams=reuse_streams)
+        return meta
+
+    async def _create_topic(self, name: str, partitions: int, configs: dict[str, str] | None, *, ensemble: int,
+                            write_quorum: int, ack_quorum: int, fragment_bytes_max: int, fragment_entries_max: int,
+                            fragment_age_max_ms: int | None, retention: dict | None,
+                            reuse_streams: bool) -> tuple[TopicMeta, list[StreamInfo]]:
+        """``create_topic``, also returning the streams it made (as written, for ``create_stream``)."""
         try:
             check_topic_name(name)
         except InvalidTopicName as exc:
@@ -192,15 +204,13 @@ class ScrollClient:
             # one-partition topic): both or neither exist, and a create costs one etcd write.
             made = await self._create_partition_streams(name, range(1), config, retention, reuse_streams,
                                                         topic_record=meta.encode())
-            if _made is not None:
-                _made.extend(made)
-            return meta
+            return meta, made
         if await self.cluster.store.get(topic_key(name)) is not None:
             raise TopicExists(f"topic {name!r} already exists")
-        await self._create_partition_streams(name, range(partitions), config, retention, reuse_streams)
+        made = await self._create_partition_streams(name, range(partitions), config, retention, reuse_streams)
         if await self.cluster.store.create(topic_key(name), meta.encode()) is None:
             raise TopicExists(f"topic {name!r} already exists")
-        return meta
+        return meta, made
 
     async def _create_partition_streams(self, topic: str, partitions: range, config: LedgerConfig, retention,
                                         reuse: bool, topic_record: bytes | None = None) -> list[StreamInfo]:
